@@ -1,0 +1,35 @@
+# specserve — the two commands a new user needs are `make demo` and `make test`.
+# Both install into .venv on first use (idempotent: the stamp is redone only when
+# pyproject.toml changes).
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test demo serve bench engine-bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: the CPU build that is on disk; any other spec downloads GBs.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q tests
+
+demo: install
+	$(PY) -m specserve.demo
+
+serve: install
+	$(VENV)/bin/specserve serve --target models/demo/target
+
+engine-bench: install
+	$(PY) benchmarks/engine_bench.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
