@@ -1,0 +1,100 @@
+"""The KV cache: one preallocated pool, a slot per sequence, a valid length per slot.
+
+Layout (DESIGN.md §4):  k, v : [layers, slots, kv_heads, max_len, head_dim]
+
+- A sequence owns a slot while it runs. `lengths[slot]` counts the entries that hold the KV of
+  committed tokens; everything at or past it is stale and is masked out by the caller and
+  overwritten by the next write.
+- Rejecting draft tokens is `truncate(slot, n)`: moving the length back. Nothing is cleared.
+- Tree verification writes all N draft nodes contiguously after the committed entries; the
+  accepted root-to-leaf path is then moved into place by `compact_path`.
+- Nothing here allocates a pool-sized tensor after construction.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class CacheFull(RuntimeError):
+    pass
+
+
+class KVCache:
+    def __init__(self, *, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int,
+                 head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_slots, self.max_len = num_slots, max_len
+        self.lengths = [0] * num_slots  # host-side: read every step, never worth a device sync
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._heads = torch.arange(num_kv_heads, device=device)
+
+    # -- slot ownership -------------------------------------------------------------------
+    def allocate(self) -> int:
+        if not self._free:
+            raise CacheFull(f"all {self.num_slots} KV slots are in use")
+        slot = self._free.pop()
+        self.lengths[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot in self._free:
+            raise ValueError(f"slot {slot} released twice")
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    # -- per-layer access used by the model's attention ----------------------------------------
+    def write(self, layer: int, slots: torch.Tensor, starts: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [B, kv_heads, T, head_dim] at positions starts[b] .. starts[b]+T-1 of slots[b]."""
+        B, _, T, _ = k.shape
+        if B == 1:
+            s, st = int(slots[0]), int(starts[0])
+            self.k[layer, s, :, st:st + T] = k[0]
+            self.v[layer, s, :, st:st + T] = v[0]
+            return
+        cols = starts[:, None] + torch.arange(T, device=starts.device)[None]  # [B, T]
+        # Advanced indices broadcast to [B, kv_heads, T]; each element is a head_dim vector.
+        idx = (slots[:, None, None], self._heads[None, :, None], cols[:, None, :])
+        self.k[layer].index_put_(idx, k)
+        self.v[layer].index_put_(idx, v)
+
+    def read(self, layer: int, slots: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [B, kv_heads, span, head_dim] of the first `span` entries of each slot."""
+        first = int(slots[0])
+        if slots.numel() == 1 or torch.equal(slots, torch.arange(first, first + slots.numel())):
+            # Contiguous slots: a view, no copy.
+            return (self.k[layer, first:first + slots.numel(), :, :span],
+                    self.v[layer, first:first + slots.numel(), :, :span])
+        return self.k[layer, slots, :, :span], self.v[layer, slots, :, :span]
+
+    # -- commit / rollback --------------------------------------------------------------------
+    def truncate(self, slot: int, length: int) -> None:
+        """Roll back (or commit) by moving the valid length; stale entries stay until overwritten."""
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"length {length} outside [0, {self.max_len}]")
+        self.lengths[slot] = length
+
+    def compact_path(self, slot: int, base: int, path: list[int]) -> None:
+        """Move the entries of an accepted tree path into a contiguous run starting at `base`.
+
+        `path` holds the path's node offsets relative to `base`, in root-to-leaf order, strictly
+        increasing (a node is always written after its parent). Worked example: the step wrote
+        [root, a, b, c, d] at base..base+4 and the accepted path is root → b → d, path = [0, 2, 4]:
+        afterwards entries base, base+1, base+2 hold root, b, d and the length is base+3.
+        """
+        if any(q <= p for p, q in zip(path, path[1:])):
+            raise ValueError(f"tree path offsets must increase, got {path}")
+        n = len(path)
+        src = torch.tensor(path, device=self.k.device) + base
+        if not torch.equal(src, torch.arange(base, base + n, device=self.k.device)):
+            # Right-hand side advanced indexing copies first, so overlapping moves are safe.
+            self.k[:, slot, :, base:base + n] = self.k[:, slot, :, src]
+            self.v[:, slot, :, base:base + n] = self.v[:, slot, :, src]
+        self.lengths[slot] = base + n

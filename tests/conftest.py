@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny random checkpoints of each family, written with save_pretrained."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Tests are small; two threads is what the CI machine has and avoids oversubscription.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+FAMILIES = ("llama", "qwen2", "mistral")
+
+
+def make_tiny_checkpoint(path, family: str, *, vocab_size: int = 512, seed: int = 0,
+                         tie: bool = False, rope_scaling: dict | None = None, **overrides) -> str:
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
+    common.update(overrides)
+    if family == "llama":
+        cfg = transformers.LlamaConfig(rope_scaling=rope_scaling, **common)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif family == "qwen2":
+        cfg = transformers.Qwen2Config(rope_scaling=rope_scaling, **common)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    elif family == "mistral":
+        cfg = transformers.MistralConfig(sliding_window=common.pop("sliding_window", None),
+                                         rope_scaling=rope_scaling, **common)
+        model = transformers.MistralForCausalLM(cfg)
+    else:
+        raise ValueError(family)
+    # Random init is nearly uniform; larger weights give peaked, LM-like next-token distributions
+    # so greedy decoding is not decided by ties.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def tiny_ckpt(request, tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=1)

@@ -1,0 +1,119 @@
+"""Our target transformer against transformers' reference implementation (fp32, ≤ 1e-4)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from conftest import make_tiny_checkpoint
+from specserve.masks import build_mask, chain_parents
+from specserve.model import CheckpointError, ForwardBatch, load_model
+
+TOL = 1e-4
+
+
+def hf_logits(path, tokens: list[int]) -> torch.Tensor:
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return ref(torch.tensor([tokens])).logits[0]  # [T, V]
+
+
+def cached_forward(model, cache, slot: int, start: int, tokens: list[int], parents: list[int]):
+    mask, positions = build_mask([start], [parents], len(tokens),
+                                 sliding_window=model.cfg.sliding_window)
+    batch = ForwardBatch(torch.tensor([tokens]), positions, torch.tensor([slot]),
+                         torch.tensor([start]), mask)
+    with torch.inference_mode():
+        return model.logits(model.forward(batch, cache).hidden)[0]  # [T, V]
+
+
+PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 300, 12, 64, 128]
+
+
+def test_prefill_decode_and_tree_verify_match_transformers(tiny_ckpt):
+    model = load_model(tiny_ckpt)
+    cache = model.new_cache(num_slots=3, max_len=64)
+    slot = 1  # not slot 0, so slot indexing is exercised
+    ref = hf_logits(tiny_ckpt, PROMPT + [77, 78, 79])
+
+    # Prefill the prompt.
+    got = cached_forward(model, cache, slot, 0, PROMPT, chain_parents(len(PROMPT)))
+    assert (got - ref[:len(PROMPT)]).abs().max() <= TOL
+
+    # Single-token decode.
+    n = len(PROMPT)
+    got = cached_forward(model, cache, slot, n, [77], [-1])
+    assert (got[0] - ref[n]).abs().max() <= TOL
+
+    # Multi-token verify with a tree: node 0 = 78 (pending), then two branches 79 / 80 and 81
+    # under 79. Each node's logits must equal the reference on its own root-to-node path.
+    tree_tokens, parents = [78, 79, 80, 81], [-1, 0, 0, 1]
+    got = cached_forward(model, cache, slot, n + 1, tree_tokens, parents)
+    paths = {0: [78], 1: [78, 79], 2: [78, 80], 3: [78, 79, 81]}
+    for node, path in paths.items():
+        want = hf_logits(tiny_ckpt, PROMPT + [77] + path)[-1]
+        assert (got[node] - want).abs().max() <= TOL, f"tree node {node}"
+
+
+def test_score_matches_transformers(tiny_ckpt):
+    model = load_model(tiny_ckpt)
+    got = model.score(torch.tensor([PROMPT]))[0]
+    assert (got - hf_logits(tiny_ckpt, PROMPT)).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "dynamic", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
+])
+def test_rope_scaling_variants(tmp_path, rope):
+    path = make_tiny_checkpoint(tmp_path / "m", "llama", rope_scaling=rope, seed=3)
+    model = load_model(path)
+    got = model.score(torch.tensor([PROMPT]))[0]
+    assert (got - hf_logits(path, PROMPT)).abs().max() <= TOL
+
+
+def test_tied_embeddings_and_sharded_checkpoint(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "tied", "qwen2", tie=True, seed=4)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    sharded = tmp_path / "sharded"
+    ref.save_pretrained(sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    model = load_model(sharded)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    got = model.score(torch.tensor([PROMPT]))[0]
+    assert (got - hf_logits(path, PROMPT)).abs().max() <= TOL
+
+
+def test_mistral_sliding_window(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "m", "mistral", sliding_window=4, seed=5)
+    model = load_model(path)
+    assert model.cfg.sliding_window == 4
+    got = model.score(torch.tensor([PROMPT]))[0]
+    assert (got - hf_logits(path, PROMPT)).abs().max() <= TOL
+
+
+def test_clear_errors_for_bad_checkpoints(tmp_path, tiny_ckpt):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(tmp_path / "nope")
+    bad = tmp_path / "gpt2"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(CheckpointError, match="unsupported architecture: model_type='gpt2'"):
+        load_model(bad)
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text(open(f"{tiny_ckpt}/config.json").read())
+    (corrupt / "model.safetensors").write_bytes(b"\x00garbage")
+    with pytest.raises(CheckpointError, match="cannot read weights"):
+        load_model(corrupt)
+    empty = tmp_path / "noweights"
+    empty.mkdir()
+    (empty / "config.json").write_text(open(f"{tiny_ckpt}/config.json").read())
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        load_model(empty)
