@@ -1,0 +1,388 @@
+"""The engine: continuous batching around one target model, with speculative decoding.
+
+Each `step()`:
+  1. admits queued requests while KV slots are free and prefills them in one forward; each
+     emits its first token;
+  2. asks every running sequence's proposer for a draft (one call per proposer for its rows);
+  3. verifies all rows in ONE target forward — rows may differ in draft size (chain or tree) and
+     in context length; the mask and positions say which is which;
+  4. commits each row's accepted path in the KV cache (rollback = moving the length back),
+     emits the accepted tokens plus the recovered / bonus token, applies stop conditions;
+  5. frees the slots of finished sequences.
+
+Requests join between steps; `cancel` frees a slot at once. The engine is single-threaded: the
+Triton adapter drives it from one background thread (`specserve.engine_loop`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+
+from specserve.kv_cache import KVCache
+from specserve.masks import build_mask
+from specserve.model import ForwardBatch, Transformer
+from specserve.proposers.base import Draft, DraftRequest, Proposer, ProposerError, StepOutcome
+from specserve.sampling import SamplingParams, make_generator, sample, target_probs
+from specserve.verify import Verdict, verify
+
+log = logging.getLogger("specserve.engine")
+
+FINISH_LENGTH, FINISH_STOP, FINISH_ABORT = "length", "stop", "abort"
+
+
+class RequestRejected(ValueError):
+    """A request the engine will not run; the message is meant for the client."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 16          # KV slots = sequences running at once
+    max_model_len: int = 2048       # prompt + output tokens of one sequence
+    max_draft_len: int = 8          # drafted tokens (chain length or tree nodes) per step
+    default_method: str = "none"
+
+
+@dataclass
+class SpecStats:
+    method: str
+    steps: int = 0                  # decode steps (each emits accepted + 1 tokens)
+    drafts: int = 0                 # steps in which at least one token was drafted
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    proposer_errors: int = 0        # steps whose draft failed (decoded plainly instead)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return (self.accepted_tokens + self.steps) / self.steps if self.steps else 0.0
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.steps += 1
+        if num_drafted:
+            self.drafts += 1
+            self.draft_tokens += num_drafted
+        self.accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_accepted:
+            self.accepted_per_position += [0] * (num_accepted - len(self.accepted_per_position))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    def to_dict(self) -> dict:
+        # Per-position rates are unconditional: accepted at position i / steps that drafted.
+        rates = [n / self.drafts for n in self.accepted_per_position] if self.drafts else []
+        return {"method": self.method, "steps": self.steps, "drafts": self.drafts,
+                "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+                "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+                "acceptance_rate_per_position": [round(r, 4) for r in rates],
+                "proposer_errors": self.proposer_errors}
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    method: str | None = None  # None → the engine's default method
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]       # tokens emitted since the previous output for this request
+    finished: bool
+    finish_reason: str | None      # "length" | "stop" | "abort" (EOS and stop strings are "stop")
+    num_prompt_tokens: int
+    num_output_tokens: int         # all emitted so far
+    stats: SpecStats
+
+
+@dataclass
+class _Sequence:
+    seq_id: int
+    req: GenerationRequest
+    proposer: Proposer
+    generator: torch.Generator | None
+    stats: SpecStats
+    tokens: list[int]              # prompt + emitted; the last one is pending (no KV yet)
+    num_prompt: int
+    slot: int = -1
+    new_tokens: list[int] = field(default_factory=list)  # emitted this step
+    finish_reason: str | None = None
+    features: torch.Tensor | None = None  # [n, D] hidden states committed since last draft
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+
+class Engine:
+    def __init__(self, model: Transformer, config: EngineConfig,
+                 proposers: Mapping[str, Proposer] | None = None, *,
+                 eos_token_ids: tuple[int, ...] | None = None,
+                 detokenize: Callable[[list[int]], str] | None = None):
+        from specserve.proposers.none import NoProposer
+
+        self.model, self.cfg = model, config
+        limit = model.cfg.max_position_embeddings
+        if config.max_model_len > limit:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={limit}")
+        self.proposers: dict[str, Proposer] = {"none": NoProposer(), **(proposers or {})}
+        if config.default_method not in self.proposers:
+            raise ValueError(f"default method {config.default_method!r} has no proposer")
+        self.eos = set(model.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self.detokenize = detokenize
+        # Headroom past max_model_len: a verify forward writes up to 1 + max_draft_len entries
+        # (padding included) after a row's committed length.
+        self.cache: KVCache = model.new_cache(config.max_num_seqs,
+                                              config.max_model_len + config.max_draft_len + 1)
+        self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []
+        self._by_id: dict[str, _Sequence] = {}
+        self._aborted: list[RequestOutput] = []
+        self._ids = itertools.count()
+
+    # -- admission ----------------------------------------------------------------------------
+    @property
+    def methods(self) -> list[str]:
+        return sorted(self.proposers)
+
+    def check(self, req: GenerationRequest) -> None:
+        """Raise RequestRejected with a client-facing message if `req` cannot run."""
+        try:
+            req.params.validate(max_tokens_limit=self.cfg.max_model_len)
+        except ValueError as e:
+            raise RequestRejected(str(e)) from None
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise RequestRejected("the prompt is empty")
+        if n + req.params.max_tokens > self.cfg.max_model_len:
+            raise RequestRejected(
+                f"prompt ({n} tokens) plus max_tokens ({req.params.max_tokens}) exceeds the model "
+                f"length {self.cfg.max_model_len}")
+        vocab = self.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in req.prompt_ids):
+            raise RequestRejected(f"prompt token ids must lie in [0, {vocab})")
+        method = req.method or self.cfg.default_method
+        if method not in self.proposers:
+            raise RequestRejected(f"unknown spec_method {method!r}; available: {', '.join(self.methods)}")
+        if req.params.stop and self.detokenize is None:
+            raise RequestRejected("stop strings need a tokenizer; this engine has none")
+        if req.request_id in self._by_id:
+            raise RequestRejected(f"request id {req.request_id!r} is already running")
+
+    def submit(self, req: GenerationRequest) -> None:
+        self.check(req)
+        method = req.method or self.cfg.default_method
+        seq = _Sequence(seq_id=next(self._ids), req=req, proposer=self.proposers[method],
+                        generator=None if req.params.greedy else make_generator(req.params),
+                        stats=SpecStats(method), tokens=list(req.prompt_ids),
+                        num_prompt=len(req.prompt_ids))
+        self._waiting.append(seq)
+        self._by_id[req.request_id] = seq
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request now and free its slot; its final output comes from the next step()."""
+        seq = self._by_id.get(request_id)
+        if seq is None:
+            return False
+        if seq in self._waiting:
+            self._waiting.remove(seq)
+        else:
+            self._running.remove(seq)
+        seq.finish_reason = FINISH_ABORT
+        self._aborted.append(self._output(seq))
+        self._retire(seq)
+        return True
+
+    def abort_all(self) -> list[str]:
+        """Drop every request (after a failed step); returns their ids. No outputs follow."""
+        ids = list(self._by_id)
+        for rid in ids:
+            self.cancel(rid)
+        self._aborted = []
+        return ids
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running or self._aborted)
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.cache.num_free
+
+    # -- the step -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        decoding = list(self._running)  # sequences admitted now decode from the next step
+        admitted = self._admit()
+        if admitted:
+            self._prefill(admitted)
+        if decoding:
+            self._decode(decoding)
+        for seq in admitted + decoding:
+            if seq.new_tokens or seq.finish_reason:
+                outputs.append(self._output(seq))
+            seq.new_tokens = []
+            if seq.finish_reason:
+                self._running.remove(seq)
+                self._retire(seq)
+        return outputs
+
+    def _admit(self) -> list[_Sequence]:
+        admitted = []
+        while self._waiting and self.cache.num_free:
+            seq = self._waiting.popleft()
+            seq.slot = self.cache.allocate()
+            self._running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def _prefill(self, seqs: list[_Sequence]) -> None:
+        T = max(len(s.tokens) for s in seqs)
+        tokens = torch.zeros(len(seqs), T, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            tokens[b, :len(s.tokens)] = torch.tensor(s.tokens)
+        parents = [list(range(-1, len(s.tokens) - 1)) for s in seqs]
+        mask, positions = build_mask([0] * len(seqs), parents, T, sliding_window=self.model.cfg.sliding_window)
+        hidden = self._forward(tokens, positions, [s.slot for s in seqs], [0] * len(seqs), mask)
+        last = torch.tensor([len(s.tokens) - 1 for s in seqs])
+        logits = self.model.logits(hidden[torch.arange(len(seqs)), last])  # [B, V]
+        for b, s in enumerate(seqs):
+            n = len(s.tokens)
+            self.cache.truncate(s.slot, n)
+            if s.proposer.needs_features:
+                s.features = hidden[b, :n].clone()
+            self._emit(s, [self._first_token(logits[b], s)])
+
+    def _first_token(self, logits: torch.Tensor, seq: _Sequence) -> int:
+        if seq.generator is None:
+            return int(logits.argmax())
+        return sample(target_probs(logits[None], seq.req.params)[0], seq.generator)
+
+    def _draft(self, seqs: list[_Sequence]) -> list[Draft]:
+        drafts: dict[int, Draft] = {}
+        by_proposer: dict[str, list[_Sequence]] = {}
+        for s in seqs:
+            by_proposer.setdefault(s.proposer.name, []).append(s)
+        for name, group in by_proposer.items():
+            requests = []
+            for s in group:
+                # Never draft past max_tokens or the model length: the step adds one more token.
+                room = min(self.cfg.max_draft_len, s.req.params.max_tokens - s.num_output - 1,
+                           self.cfg.max_model_len - len(s.tokens))
+                requests.append(DraftRequest(s.seq_id, s.tokens, max(room, 0), s.generator is None,
+                                             s.features))
+                s.features = None
+            proposer = group[0].proposer
+            try:
+                got = proposer.propose(requests)
+            except ProposerError as e:
+                # A remote drafter that is unloaded or restarting: decode plainly this step.
+                log.warning("proposer %s failed (%s); decoding without a draft this step", name, e)
+                got = [Draft.empty() for _ in group]
+                for s in group:
+                    s.stats.proposer_errors += 1
+            if len(got) != len(group):
+                raise RuntimeError(f"proposer {name} returned {len(got)} drafts for {len(group)} requests")
+            for s, r, d in zip(group, requests, got):
+                d.check()
+                drafts[s.seq_id] = _truncate(d, r.max_draft_len)
+        return [drafts[s.seq_id] for s in seqs]
+
+    def _decode(self, seqs: list[_Sequence]) -> None:
+        drafts = self._draft(seqs)
+        T = 1 + max(len(d) for d in drafts)
+        B = len(seqs)
+        tokens = torch.zeros(B, T, dtype=torch.long)
+        for b, (s, d) in enumerate(zip(seqs, drafts)):
+            tokens[b, :1 + len(d)] = torch.tensor([s.tokens[-1]] + d.tokens)
+        starts = [self.cache.lengths[s.slot] for s in seqs]
+        parents = [[-1] + [p + 1 for p in d.parents] for d in drafts]
+        mask, positions = build_mask(starts, parents, T, sliding_window=self.model.cfg.sliding_window)
+        hidden = self._forward(tokens, positions, [s.slot for s in seqs], starts, mask)  # [B, T, D]
+        logits = self.model.logits(hidden)  # [B, T, V]
+        outcomes: dict[str, list[StepOutcome]] = {}
+        for b, (s, d) in enumerate(zip(seqs, drafts)):
+            verdict: Verdict = verify(logits[b, :1 + len(d)], d, s.req.params, s.generator)
+            rows = [0] + [c + 1 for c in verdict.accepted_nodes]  # forward rows kept, in order
+            self.cache.compact_path(s.slot, starts[b], rows)
+            if s.proposer.needs_features:
+                s.features = hidden[b, rows].clone()
+            s.stats.record(len(d), verdict.num_accepted)
+            outcomes.setdefault(s.proposer.name, []).append(
+                StepOutcome(s.seq_id, len(d), verdict.accepted_nodes, verdict.emitted))
+            self._emit(s, verdict.emitted)
+        for name, outs in outcomes.items():
+            self.proposers[name].observe(outs)
+
+    def _forward(self, tokens, positions, slots, starts, mask) -> torch.Tensor:
+        dev = self.model.device
+        batch = ForwardBatch(tokens.to(dev), positions.to(dev), torch.tensor(slots, device=dev),
+                             torch.tensor(starts, device=dev), mask.to(dev))
+        return self.model.forward(batch, self.cache).hidden
+
+    # -- output and stop conditions -----------------------------------------------------------
+    def _emit(self, seq: _Sequence, tokens: list[int]) -> None:
+        params = seq.req.params
+        for t in tokens:
+            seq.tokens.append(t)
+            seq.new_tokens.append(t)
+            if t in self.eos or self._hit_stop_string(seq):
+                seq.finish_reason = FINISH_STOP
+            elif seq.num_output >= params.max_tokens:
+                seq.finish_reason = FINISH_LENGTH
+            if seq.finish_reason:
+                return
+
+    def _hit_stop_string(self, seq: _Sequence) -> bool:
+        stops = seq.req.params.stop
+        if not stops:
+            return False
+        # A stop string of c characters spans at most 4c byte-level tokens; decoding a bounded
+        # tail keeps this O(1) per token. Checked after every token, so the first hit is the
+        # token that completes the stop string.
+        window = 4 * max(len(s) for s in stops) + 4
+        out = seq.tokens[seq.num_prompt:]
+        tail = self.detokenize(out[-window:])
+        return any(s in tail for s in stops)
+
+    def _output(self, seq: _Sequence) -> RequestOutput:
+        return RequestOutput(seq.req.request_id, list(seq.new_tokens), seq.finish_reason is not None,
+                             seq.finish_reason, seq.num_prompt, seq.num_output, seq.stats)
+
+    def _retire(self, seq: _Sequence) -> None:
+        if seq.slot >= 0:
+            self.cache.release(seq.slot)
+            seq.slot = -1
+        seq.proposer.release(seq.seq_id)
+        del self._by_id[seq.req.request_id]
+
+    # -- convenience --------------------------------------------------------------------------
+    def generate(self, requests: list[GenerationRequest]) -> dict[str, RequestOutput]:
+        """Run `requests` to completion; returns the final output of each with all its tokens."""
+        for r in requests:
+            self.submit(r)
+        tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        final: dict[str, RequestOutput] = {}
+        while self.has_work():
+            for out in self.step():
+                tokens[out.request_id] += out.new_token_ids
+                if out.finished:
+                    out.new_token_ids = tokens[out.request_id]
+                    final[out.request_id] = out
+        return final
+
+
+def _truncate(draft: Draft, n: int) -> Draft:
+    """Keep the first n nodes; parents precede children, so the result is still a tree."""
+    if len(draft) <= n:
+        return draft
+    probs = None if draft.probs is None else draft.probs[:n]
+    return Draft(draft.tokens[:n], draft.parents[:n], probs)

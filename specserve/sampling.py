@@ -1,0 +1,76 @@
+"""Sampling parameters and the target distribution they define.
+
+Temperature, top-k and top-p shape the TARGET distribution (in that order, as transformers does);
+speculative verification then reproduces exactly that distribution. `temperature == 0` means
+greedy: the argmax of the raw logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0            # 0 = off
+    seed: int | None = None   # per-request generator seed; None = nondeterministic
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, *, max_tokens_limit: int | None = None) -> None:
+        """Raise ValueError naming the first bad field."""
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if max_tokens_limit is not None and self.max_tokens > max_tokens_limit:
+            raise ValueError(f"max_tokens={self.max_tokens} exceeds the limit {max_tokens_limit}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {list(self.stop)!r}")
+
+
+def make_generator(params: SamplingParams, device: str | torch.device = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    if params.seed is None:
+        g.seed()
+    else:
+        g.manual_seed(params.seed)
+    return g
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [N, V] → probabilities [N, V] of the warped target distribution (temperature > 0)."""
+    if params.greedy:
+        raise ValueError("greedy decoding has no sampling distribution; use argmax")
+    x = logits.float() / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]  # [N, 1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        # Keep the smallest set of most likely tokens whose mass reaches top_p (at least one).
+        sorted_x, order = torch.sort(x, dim=-1, descending=False)
+        cum = sorted_x.softmax(-1).cumsum(-1)
+        drop_sorted = cum <= (1 - params.top_p)
+        drop_sorted[..., -1] = False
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw from probs [V]."""
+    return int(torch.multinomial(probs, 1, generator=generator))
