@@ -122,18 +122,20 @@ class Attention(nn.Module):
         super().__init__()
         self.layer, self.cfg = layer, cfg
         D, H, Hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(D, H * hd, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(D, Hkv * hd, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(D, Hkv * hd, bias=cfg.attention_bias)
+        # q, k, v fused into one matmul (a decode step is small: fewer, larger matmuls win).
+        self.qkv_proj = nn.Linear(D, (H + 2 * Hkv) * hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(H * hd, D, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 cache: KVCache | None) -> torch.Tensor:
         B, T, _ = x.shape
         c = self.cfg
-        q = self.q_proj(x).view(B, T, c.num_heads, c.head_dim).transpose(1, 2)     # [B, H, T, hd]
-        k = self.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
-        v = self.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
+        qkv = self.qkv_proj(x)  # [B, T, (H + 2 Hkv) hd]
+        q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
+                             c.num_kv_heads * c.head_dim], dim=-1)
+        q = q.view(B, T, c.num_heads, c.head_dim).transpose(1, 2)     # [B, H, T, hd]
+        k = k.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
+        v = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             cache.write(self.layer, batch.slots, batch.starts, k, v)
@@ -146,12 +148,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -266,6 +268,28 @@ def _read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
     return state
 
 
+def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face's separate q/k/v and gate/up projections → our fused qkv_proj / gate_up_proj.
+
+    Tensors that are not all present are left alone, so a missing one is reported by name later.
+    """
+    out = dict(state)
+    groups = [(("q_proj", "k_proj", "v_proj"), "qkv_proj", ("weight", "bias")),
+              (("gate_proj", "up_proj"), "gate_up_proj", ("weight",))]
+    for key in list(state):
+        for parts, fused, kinds in groups:
+            for kind in kinds:
+                suffix = f".{parts[0]}.{kind}"
+                if key.endswith(suffix):
+                    prefix = key[: -len(suffix)]
+                    names = [f"{prefix}.{p}.{kind}" for p in parts]
+                    if all(n in state for n in names):
+                        out[f"{prefix}.{fused}.{kind}"] = torch.cat([state[n] for n in names])
+                        for n in names:
+                            del out[n]
+    return out
+
+
 def load_config(path: str | Path) -> ModelConfig:
     return ModelConfig.from_hf(_read_config(Path(path)))
 
@@ -277,7 +301,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     cfg = ModelConfig.from_hf(_read_config(path))
     state = _read_weights(_weight_files(path))
     # HF names: model.layers.0.self_attn.q_proj.weight …; ours drop the "model." prefix.
-    ours = {k.removeprefix("model."): v for k, v in state.items()}
+    ours = fuse_projections({k.removeprefix("model."): v for k, v in state.items()})
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = set(model.state_dict().keys())

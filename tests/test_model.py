@@ -117,3 +117,19 @@ def test_clear_errors_for_bad_checkpoints(tmp_path, tiny_ckpt):
     (empty / "config.json").write_text(open(f"{tiny_ckpt}/config.json").read())
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):
         load_model(empty)
+
+
+def test_intermediate_layer_hidden_states_match_transformers(tiny_ckpt):
+    model = load_model(tiny_ckpt)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = ref(torch.tensor([PROMPT]), output_hidden_states=True).hidden_states
+    T = len(PROMPT)
+    mask, positions = build_mask([0], [chain_parents(T)], T)
+    zero = torch.zeros(1, dtype=torch.long)
+    with torch.inference_mode():
+        out = model.forward(ForwardBatch(torch.tensor([PROMPT]), positions, zero, zero, mask),
+                            cache=None, hidden_layers=(0,))
+    # hidden_states[i + 1] is the residual stream after layer i; the last one is after the norm.
+    assert (out.layer_hidden[0] - want[1]).abs().max() <= TOL
+    assert (out.hidden - want[-1]).abs().max() <= TOL
