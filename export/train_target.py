@@ -1,7 +1,7 @@
 """Train the bundled demo target: a small Llama-architecture causal LM on the stdlib corpus.
 
-    python export/train_target.py --steps 1200           # train (resumes from the last checkpoint)
-    python export/train_target.py --steps 1200 --export  # also write models/demo/target when done
+    python export/train_target.py --steps 640            # train (resumes from the last checkpoint)
+    python export/train_target.py --steps 640 --export   # also write models/demo/target when done
     python export/train_target.py --export-only          # export the latest checkpoint as it is
 
 Reproducible: the model init uses --seed, and batch k is drawn from a generator seeded with
@@ -162,7 +162,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--ffn", type=int, default=768)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=1200)
+    ap.add_argument("--steps", type=int, default=640)
     ap.add_argument("--warmup", type=int, default=60)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--weight-decay", type=float, default=0.1)
