@@ -145,9 +145,15 @@ def heldout_loss(model, stream: np.ndarray, args: argparse.Namespace, n_windows:
 def export(model: LlamaForCausalLM, tokenizer_dir: Path, out: Path) -> None:
     """Write the HF folder: bf16 safetensors + config + generation config (tokenizer is already there)."""
     out.mkdir(parents=True, exist_ok=True)
-    model = model.to(torch.bfloat16)
-    model.config.torch_dtype = torch.bfloat16
+    model = model.to(torch.bfloat16)  # also records dtype "bfloat16" in config.json
     model.save_pretrained(out, safe_serialization=True)
+    # transformers 5 writes rope_theta only inside "rope_parameters"; older readers (transformers
+    # 4.x, other runtimes) look for the top-level key, and transformers 5 accepts both.
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.setdefault("rope_theta", model.config.rope_parameters["rope_theta"]
+                   if getattr(model.config, "rope_parameters", None) else model.config.rope_theta)
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     eot = model.config.eos_token_id
     GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, do_sample=False).save_pretrained(out)
     print(f"exported to {out} (tokenizer files from {tokenizer_dir})")
