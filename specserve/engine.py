@@ -277,8 +277,8 @@ class Engine:
                 # Never draft past max_tokens or the model length: the step adds one more token.
                 room = min(self.cfg.max_draft_len, s.req.params.max_tokens - s.num_output - 1,
                            self.cfg.max_model_len - len(s.tokens))
-                requests.append(DraftRequest(s.seq_id, s.tokens, max(room, 0), s.generator is None,
-                                             s.features))
+                requests.append(DraftRequest(s.seq_id, s.tokens, max(room, 0), s.req.params,
+                                             s.generator, s.features))
                 s.features = None
             proposer = group[0].proposer
             try:

@@ -16,6 +16,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from specserve.sampling import SamplingParams
+
 
 class ProposerError(RuntimeError):
     """The proposer cannot draft this step (e.g. a remote drafter is unloaded or restarting).
@@ -58,7 +60,10 @@ class DraftRequest:
     seq_id: int
     token_ids: list[int]          # the whole sequence so far: prompt + emitted (last = pending)
     max_draft_len: int            # upper bound on N for this step
-    greedy: bool                  # the request decodes greedily (drafters may skip q)
+    params: SamplingParams        # the request's sampling (greedy: temperature == 0)
+    # The request's generator, for drafters that sample (then they must return probs);
+    # None for greedy requests.
+    generator: torch.Generator | None = None
     # Target features (final hidden states, [n, D]) of the tokens committed since the previous
     # request for this sequence; only filled for proposers with `needs_features`.
     features: torch.Tensor | None = None
