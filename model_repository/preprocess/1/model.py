@@ -1,0 +1,24 @@
+"""preprocess: tokenize text_input and normalise the request's parameters (specserve.triton.preprocess)."""
+
+from specserve.triton import pb, schema
+from specserve.triton.preprocess import Preprocessor
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = pb.model_parameters(args)
+        self.pre = Preprocessor(params["checkpoint"], tier=params.get("tier", "default"))
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                out = self.pre(pb.input_scalar(request, schema.TEXT_INPUT),
+                               pb.input_scalar(request, schema.STREAM),
+                               pb.input_scalar(request, schema.SAMPLING_PARAMETERS),
+                               pb.input_scalar(request, schema.EXCLUDE_INPUT_IN_OUTPUT))
+                responses.append(pb.response({schema.INPUT_IDS: out.input_ids,
+                                              schema.REQUEST_CONFIG: out.config.to_json()}))
+            except ValueError as e:  # BadRequest and malformed tensors: the client's error
+                responses.append(pb.error_response(str(e)))
+        return responses

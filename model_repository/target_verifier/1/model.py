@@ -1,0 +1,72 @@
+"""target_verifier: the engine, as a decoupled model (specserve.triton.service).
+
+execute() only queues: each request goes to the engine's continuous batch and its responses are
+streamed back later, from the engine thread, through the request's response sender.
+"""
+
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+from specserve.triton import pb, schema
+from specserve.triton.factory import EngineSettings, build_engine
+from specserve.triton.metrics import TritonMetrics
+from specserve.triton.params import RequestConfig
+from specserve.triton.service import VerifierResponse, VerifierService
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class _Sender:
+    """service.Sender over a Triton response sender."""
+
+    def __init__(self, request):
+        self._sender = request.get_response_sender()
+
+    def send(self, r: VerifierResponse) -> None:
+        self._sender.send(pb.response({schema.TOKEN_WINDOW: r.window.token_ids,
+                                       schema.READ_OFFSET: r.window.read_offset,
+                                       schema.FLUSH: r.window.flush,
+                                       schema.RESPONSE_META: r.meta.to_json()}),
+                          flags=FINAL if r.final else 0)
+
+    def send_error(self, message: str) -> None:
+        self._sender.send(pb.error_response(message), flags=FINAL)
+
+    def close(self) -> None:
+        self._sender.send(flags=FINAL)
+
+    def is_cancelled(self) -> bool:
+        return self._sender.is_cancelled()
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        p = pb.model_parameters(args)
+        settings = EngineSettings(checkpoint=Path(p["checkpoint"]), max_num_seqs=int(p["max_num_seqs"]),
+                                  max_model_len=int(p["max_model_len"]), max_draft_len=int(p["max_draft_len"]),
+                                  default_method=p["default_method"])
+        engine, _ = build_engine(settings)
+        self.metrics = TritonMetrics(pb_utils)
+        self.service = VerifierService(engine, self.metrics)
+
+    def execute(self, requests):
+        for request in requests:
+            sender = _Sender(request)
+            cancel = pb.input_scalar(request, schema.CANCEL_REQUEST_ID)
+            if cancel is not None:  # from postprocess: the client of that request has gone
+                self.service.cancel(cancel.decode("utf-8"))
+                sender.close()
+                continue
+            try:
+                ids, config = pb.input_array(request, schema.INPUT_IDS), pb.input_scalar(request, schema.REQUEST_CONFIG)
+                if ids is None or config is None:
+                    raise ValueError("target_verifier needs input_ids and request_config (or cancel_request_id)")
+                self.service.submit([int(t) for t in ids], RequestConfig.from_json(config), sender)
+            except ValueError as e:  # RequestRejected and malformed tensors: the client's error
+                sender.send_error(str(e))
+        return None
+
+    def finalize(self):
+        self.service.stop()
+        self.metrics.close()

@@ -1,0 +1,211 @@
+"""Start and stop a real `tritonserver`: find the binary, prepare its backends, wait for ready.
+
+Shared by `specserve serve`, `make demo` and the Triton tests, so the four things the CPU build
+needs (DESIGN.md §7) are written down once:
+
+  1. the Python backend stub for this interpreter next to `libtriton_python.so` in the backend
+     directory we pass (a private copy: never write into site-packages);
+  2. numpy<2 in the stub's environment (the package pins it);
+  3. this interpreter's LIBDIR first on LD_LIBRARY_PATH, or the stub loads the system libpython
+     and C extensions such as `_ssl` fail to import; then the wheel's `nvidia_pytriton.libs`,
+     which the copied stub's RPATH ($ORIGIN/../../../../nvidia_pytriton.libs) no longer reaches;
+  4. this interpreter's bin folder (the venv's) first on PATH, so the stub's Python finds the
+     venv's site-packages, where specserve is installed.
+
+In the NGC container `/opt/tritonserver` exists and carries its own backends and stub; we use it
+as it is.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+NGC_ROOT = Path("/opt/tritonserver")
+
+
+class ServerStartError(RuntimeError):
+    """tritonserver could not be started or did not become ready."""
+
+
+def _pytriton_root() -> Path:
+    try:
+        import pytriton
+    except ImportError:
+        raise ServerStartError("no tritonserver: /opt/tritonserver is absent and the nvidia-pytriton "
+                               "package (which bundles one) is not installed; run `make install`") from None
+    return Path(pytriton.__file__).parent / "tritonserver"
+
+
+def find_tritonserver() -> Path:
+    """The NGC container's binary when present, else the one inside the nvidia-pytriton wheel."""
+    ngc = NGC_ROOT / "bin" / "tritonserver"
+    if ngc.exists():
+        return ngc
+    binary = _pytriton_root() / "bin" / "tritonserver"
+    if not binary.exists():
+        raise ServerStartError(f"the nvidia-pytriton package has no tritonserver at {binary}")
+    return binary
+
+
+def prepare_backends(work_dir: Path) -> Path:
+    """A backend directory whose python/ holds libtriton_python.so and a stub for this Python."""
+    if (NGC_ROOT / "bin" / "tritonserver").exists():
+        return NGC_ROOT / "backends"
+    root = _pytriton_root()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.exists():
+        raise ServerStartError(f"nvidia-pytriton has no Python backend stub for Python {version} ({stub})")
+    backends = Path(work_dir) / "backends"
+    dest = backends / "python"
+    dest.mkdir(parents=True, exist_ok=True)
+    for src in (root / "backends" / "python").iterdir():
+        if src.is_file():
+            shutil.copy2(src, dest / src.name)
+    # The stub's RPATH finds its libraries relative to its own folder: it must sit here.
+    shutil.copy2(stub, dest / stub.name)
+    return backends
+
+
+def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    libdirs = [sysconfig.get_config_var("LIBDIR")]
+    if not (NGC_ROOT / "bin" / "tritonserver").exists():
+        libdirs.append(str(_pytriton_root().parent.parent / "nvidia_pytriton.libs"))
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (*libdirs, env.get("LD_LIBRARY_PATH")) if p)
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join(p for p in (bindir, env.get("PATH")) if p)
+    # One torch thread pool per model process is plenty on small machines; the engine sets its
+    # own thread count. Leave a user's explicit setting alone.
+    env.setdefault("OMP_NUM_THREADS", str(min(4, os.cpu_count() or 1)))
+    return env
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Ports:
+    http: int
+    grpc: int
+    metrics: int
+
+    @classmethod
+    def free(cls) -> "Ports":
+        # Bind all three at once so the OS cannot hand the same port out twice.
+        socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(3)]
+        try:
+            for s in socks:
+                s.bind(("127.0.0.1", 0))
+            return cls(*(s.getsockname()[1] for s in socks))
+        finally:
+            for s in socks:
+                s.close()
+
+
+@dataclass
+class TritonServer:
+    """One tritonserver process serving `repository`; use as a context manager or start()/stop()."""
+
+    repository: Path
+    work_dir: Path
+    ports: Ports
+    log_file: Path | None = None      # None: inherit stdout/stderr (the CLI's foreground mode)
+    log_verbose: int = 0
+    exit_timeout_s: int = 30              # how long shutdown waits for in-flight requests
+    extra_args: list[str] = field(default_factory=list)
+    process: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        return [str(find_tritonserver()),
+                f"--model-repository={self.repository}",
+                f"--backend-directory={prepare_backends(self.work_dir)}",
+                f"--http-port={self.ports.http}", f"--grpc-port={self.ports.grpc}",
+                f"--metrics-port={self.ports.metrics}",
+                "--allow-metrics=true", "--allow-cpu-metrics=true",
+                # A model that fails to load must fail the server, not leave it half-serving.
+                "--exit-on-error=true", "--strict-readiness=true",
+                f"--exit-timeout-secs={self.exit_timeout_s}",
+                f"--log-verbose={self.log_verbose}", *self.extra_args]
+
+    def start(self) -> "TritonServer":
+        cmd = self.command()
+        out = None
+        if self.log_file is not None:
+            self.log_file.parent.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_file, "wb")
+        # A new session: stop() signals the server's whole group (it and its model stubs).
+        self.process = subprocess.Popen(cmd, env=server_env(), stdout=out, stderr=subprocess.STDOUT if out else None,
+                                        start_new_session=True)
+        if out is not None:
+            out.close()
+        return self
+
+    @property
+    def http_url(self) -> str:
+        return f"localhost:{self.ports.http}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"localhost:{self.ports.grpc}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://localhost:{self.ports.metrics}/metrics"
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        """Block until every model is ready; raise ServerStartError if the server dies or times out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            code = self.process.poll() if self.process else None
+            if code is not None:
+                raise ServerStartError(f"tritonserver exited with code {code} before it was ready"
+                                       + self._log_hint())
+            if self.is_ready():
+                return
+            time.sleep(0.5)
+        raise ServerStartError(f"tritonserver was not ready after {timeout:.0f} s" + self._log_hint())
+
+    def _log_hint(self) -> str:
+        if self.log_file is None or not self.log_file.exists():
+            return ""
+        tail = self.log_file.read_text(errors="replace").splitlines()[-25:]
+        return f"; last lines of {self.log_file}:\n" + "\n".join(tail)
+
+    def stop(self) -> int | None:
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        # SIGINT is tritonserver's graceful shutdown (it unloads models, which stops our loops).
+        os.killpg(self.process.pid, signal.SIGINT)
+        try:
+            return self.process.wait(self.exit_timeout_s + 15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            return self.process.wait(10)
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,109 @@
+"""Prometheus metrics on Triton's metrics port through the Python backend's custom metrics API.
+
+Names mirror vLLM's speculative-decoding and latency metrics with our prefix. vLLM writes
+`vllm:`; a colon is not accepted in custom metric names here, so ours are `specserve_…`. Every
+metric is labelled by `method` and `tier` (one tier, "default", until tiers exist).
+
+Each metric call is an IPC round trip to the Triton process, so calls are queued and made by one
+worker thread, never on the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any
+
+log = logging.getLogger("specserve.triton.metrics")
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0]
+TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5]
+
+_COUNTERS = {
+    "drafts": ("specserve_spec_decode_num_drafts_total", "Steps in which a draft was verified."),
+    "draft_tokens": ("specserve_spec_decode_num_draft_tokens_total", "Drafted tokens verified."),
+    "accepted": ("specserve_spec_decode_num_accepted_tokens_total", "Drafted tokens accepted."),
+    "per_position": ("specserve_spec_decode_num_accepted_tokens_per_pos_total",
+                     "Drafted tokens accepted at each draft position (label position, from 0)."),
+    "requests": ("specserve_request_success_total", "Finished requests, by finish reason."),
+    "prompt_tokens": ("specserve_prompt_tokens_total", "Prompt tokens prefilled."),
+    "generation_tokens": ("specserve_generation_tokens_total", "Tokens generated."),
+}
+_HISTOGRAMS = {
+    "ttft": ("specserve_time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS),
+    "tpot": ("specserve_time_per_output_token_seconds",
+             "Mean time per output token after the first, per request, in seconds.", TPOT_BUCKETS),
+}
+
+
+class TritonMetrics:
+    """Implements service.MetricsSink with pb_utils.MetricFamily counters and histograms."""
+
+    def __init__(self, pb_utils: Any):
+        fam = pb_utils.MetricFamily
+        self._families = {key: fam(name=name, description=desc, kind=fam.COUNTER)
+                          for key, (name, desc) in _COUNTERS.items()}
+        self._families.update({key: fam(name=name, description=desc, kind=fam.HISTOGRAM)
+                               for key, (name, desc, _) in _HISTOGRAMS.items()})
+        self._buckets = {key: b for key, (_, _, b) in _HISTOGRAMS.items()}
+        self._metrics: dict[tuple, Any] = {}
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name="specserve-metrics", daemon=True)
+        self._thread.start()
+
+    # -- MetricsSink ---------------------------------------------------------------------------
+    def spec_step(self, method: str, tier: str, drafts: int, draft_tokens: int, accepted: int,
+                  accepted_per_position: list[int]) -> None:
+        labels = {"method": method, "tier": tier}
+        self._inc("drafts", labels, drafts)
+        self._inc("draft_tokens", labels, draft_tokens)
+        self._inc("accepted", labels, accepted)
+        for pos, n in enumerate(accepted_per_position):
+            self._inc("per_position", {**labels, "position": str(pos)}, n)
+
+    def first_token(self, method: str, tier: str, seconds: float) -> None:
+        self._queue.put(("ttft", {"method": method, "tier": tier}, "observe", seconds))
+
+    def finished(self, method: str, tier: str, reason: str, num_prompt: int, num_output: int,
+                 time_per_output_token: float | None) -> None:
+        labels = {"method": method, "tier": tier}
+        self._inc("requests", {**labels, "finished_reason": reason}, 1)
+        self._inc("prompt_tokens", labels, num_prompt)
+        self._inc("generation_tokens", labels, num_output)
+        if time_per_output_token is not None:
+            self._queue.put(("tpot", labels, "observe", time_per_output_token))
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(5)
+        # Metrics before their families (the backend requires that order).
+        self._metrics.clear()
+        self._families.clear()
+
+    # -- worker --------------------------------------------------------------------------------
+    def _inc(self, key: str, labels: dict[str, str], n: int) -> None:
+        if n:
+            self._queue.put((key, labels, "increment", n))
+
+    def _metric(self, key: str, labels: dict[str, str]):
+        ident = (key, tuple(sorted(labels.items())))
+        m = self._metrics.get(ident)
+        if m is None:
+            family = self._families[key]
+            if key in self._buckets:
+                m = family.Metric(labels=labels, buckets=self._buckets[key])
+            else:
+                m = family.Metric(labels=labels)
+            self._metrics[ident] = m
+        return m
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            key, labels, op, value = item
+            try:
+                getattr(self._metric(key, labels), op)(value)
+            except Exception:  # noqa: BLE001 — metrics must never take serving down
+                log.exception("metric %s %s failed", key, op)

@@ -1,0 +1,104 @@
+"""Parse a request's `sampling_parameters` JSON, `stream` and `exclude_input_in_output` flags.
+
+`preprocess` parses (so a malformed request fails before it reaches the engine) and hands the
+engine a normalised `RequestConfig` as JSON. Value ranges (max_tokens ≤ the model length, top_p
+in (0, 1], …) are checked once, by `SamplingParams.validate` inside the engine, which knows the
+limits. This module stays free of torch so `preprocess` starts fast.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# The keys a client may send, with the JSON types each accepts. `spec_method` overrides the
+# tier's speculation method ("none" = plain decoding).
+_INT, _NUM = "an integer", "a number"
+SAMPLING_KEYS: dict[str, str] = {
+    "max_tokens": _INT,
+    "temperature": _NUM,
+    "top_p": _NUM,
+    "top_k": _INT,
+    "seed": _INT,
+    "stop": "a string or a list of strings",
+    "spec_method": "a string",
+}
+
+
+class BadRequest(ValueError):
+    """The request is malformed; the message is for the client."""
+
+
+@dataclass(frozen=True)
+class RequestConfig:
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields the client set
+    spec_method: str | None = None   # None → the tier's / engine's default method
+    stream: bool = False             # stream one response per engine output, or one at the end
+    include_prompt: bool = False     # text_output starts with the prompt text
+    tier: str = "default"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> "RequestConfig":
+        return cls(**json.loads(raw))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_type(key: str, value: Any) -> Any:
+    kind = SAMPLING_KEYS[key]
+    if key == "seed" and value is None:
+        return None
+    if kind == _INT and _is_int(value):
+        return value
+    if kind == _NUM and (_is_int(value) or isinstance(value, float)):
+        return float(value)
+    if key == "stop":
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return value
+    if key == "spec_method" and isinstance(value, str):
+        return value
+    raise BadRequest(f"sampling_parameters.{key} must be {kind}, got {json.dumps(value)}")
+
+
+def parse_sampling_parameters(raw: str | bytes | None) -> tuple[dict[str, Any], str | None]:
+    """JSON object text → (SamplingParams keyword arguments, spec_method or None)."""
+    if raw is None:
+        return {}, None
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadRequest("sampling_parameters is not valid UTF-8") from None
+    if not raw.strip():
+        return {}, None
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"sampling_parameters is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise BadRequest(f"sampling_parameters must be a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - set(SAMPLING_KEYS))
+    if unknown:
+        raise BadRequest(f"unknown sampling_parameters key(s): {', '.join(unknown)}; "
+                         f"allowed: {', '.join(SAMPLING_KEYS)}")
+    checked = {k: _check_type(k, v) for k, v in obj.items()}
+    spec_method = checked.pop("spec_method", None)
+    return checked, spec_method
+
+
+def make_request_config(sampling_parameters: str | bytes | None, stream: bool | None,
+                        exclude_input_in_output: bool | None, tier: str = "default") -> RequestConfig:
+    """Apply the vLLM backend's defaults: the prompt is included unless excluded, except when
+    streaming, where responses carry only new text unless the client asks for the prompt."""
+    sampling, method = parse_sampling_parameters(sampling_parameters)
+    stream = bool(stream)
+    include = (not stream) if exclude_input_in_output is None else not exclude_input_in_output
+    return RequestConfig(sampling=sampling, spec_method=method, stream=stream, include_prompt=include, tier=tier)

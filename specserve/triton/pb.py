@@ -1,0 +1,54 @@
+"""Tensor conversion helpers for the model_repository adapters (importable only inside Triton's
+Python backend stub, where `triton_python_backend_utils` exists)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from specserve.triton.schema import TensorSpec
+
+
+def model_parameters(args: dict) -> dict[str, str]:
+    """The string parameters the renderer put in this model's config.pbtxt."""
+    config = json.loads(args["model_config"])
+    return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+
+
+def input_array(request, spec: TensorSpec) -> np.ndarray | None:
+    tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
+    if tensor is None:
+        if spec.optional:
+            return None
+        raise ValueError(f"missing required input {spec.name!r}")
+    return tensor.as_numpy()
+
+
+def input_scalar(request, spec: TensorSpec):
+    """The single element of a [1]-shaped input, or None for an absent optional input."""
+    arr = input_array(request, spec)
+    if arr is None:
+        return None
+    if arr.size != 1:
+        raise ValueError(f"input {spec.name!r} must hold exactly one element, got shape {list(arr.shape)}")
+    value = arr.reshape(-1)[0]
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def output_tensor(spec: TensorSpec, value) -> "pb_utils.Tensor":
+    if spec.dtype == "STRING":
+        items = [value] if isinstance(value, (str, bytes)) else list(value)
+        arr = np.array([v.encode("utf-8") if isinstance(v, str) else v for v in items], dtype=np.object_)
+    else:
+        arr = np.asarray(value, dtype=spec.numpy_dtype).reshape(-1)
+    return pb_utils.Tensor(spec.name, arr)
+
+
+def response(values: dict[TensorSpec, object]) -> "pb_utils.InferenceResponse":
+    return pb_utils.InferenceResponse(output_tensors=[output_tensor(s, v) for s, v in values.items()])
+
+
+def error_response(message: str) -> "pb_utils.InferenceResponse":
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))

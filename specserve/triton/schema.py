@@ -1,0 +1,95 @@
+"""The tensor I/O schema of every model in the repository, defined once.
+
+The renderer writes each `config.pbtxt` from these specs, and the model adapters read and write
+tensors by these names and dtypes; nothing else spells a tensor name. The ensemble `llm` follows
+Triton's vLLM backend (text_input / stream / sampling_parameters / exclude_input_in_output in,
+text_output / num_input_tokens / num_output_tokens / finish_reason out) plus our `spec_stats`.
+
+    client ─▶ llm (ensemble)
+                preprocess       ENSEMBLE_INPUTS → input_ids, request_config
+                target_verifier  input_ids, request_config → token_window, read_offset, flush, response_meta
+                                 (decoupled: one response per engine output of the request)
+                postprocess      token_window, read_offset, flush, response_meta → ENSEMBLE_OUTPUTS
+
+Every internal tensor name is unique across the ensemble, so a step's input_map / output_map maps
+each name to itself.
+
+Cancellation: Triton 2.51 does not pass an ensemble request's cancellation to a step already in
+flight (target_verifier), only to steps scheduled after it. So postprocess, which is scheduled
+for every streamed response, is the one that sees it; it then sends target_verifier a request
+carrying only `cancel_request_id` (BLS), which cancels the engine request and frees its slot.
+That is why target_verifier's other inputs are optional.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str                 # Triton's type name without the TYPE_ prefix
+    dims: tuple[int, ...]
+    optional: bool = False
+
+    @property
+    def numpy_dtype(self) -> type:
+        return _NUMPY[self.dtype]
+
+
+_NUMPY = {"STRING": np.object_, "BOOL": np.bool_, "INT64": np.int64, "INT32": np.int32,
+          "UINT32": np.uint32}
+
+# -- the ensemble (what users call) --------------------------------------------------------------
+# Required, but declared optional: Triton 2.51's ensemble answers a request that lacks a required
+# input with an empty final response instead of an error, so preprocess checks for it instead.
+TEXT_INPUT = TensorSpec("text_input", "STRING", (1,), optional=True)
+STREAM = TensorSpec("stream", "BOOL", (1,), optional=True)
+SAMPLING_PARAMETERS = TensorSpec("sampling_parameters", "STRING", (1,), optional=True)  # JSON object
+EXCLUDE_INPUT_IN_OUTPUT = TensorSpec("exclude_input_in_output", "BOOL", (1,), optional=True)
+
+TEXT_OUTPUT = TensorSpec("text_output", "STRING", (1,))
+NUM_INPUT_TOKENS = TensorSpec("num_input_tokens", "UINT32", (1,))
+NUM_OUTPUT_TOKENS = TensorSpec("num_output_tokens", "UINT32", (1,))
+FINISH_REASON = TensorSpec("finish_reason", "STRING", (1,))   # "" until the final response
+SPEC_STATS = TensorSpec("spec_stats", "STRING", (1,))         # JSON, cumulative for the request
+
+ENSEMBLE_INPUTS = (TEXT_INPUT, STREAM, SAMPLING_PARAMETERS, EXCLUDE_INPUT_IN_OUTPUT)
+ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, NUM_INPUT_TOKENS, NUM_OUTPUT_TOKENS, FINISH_REASON, SPEC_STATS)
+
+# -- internal tensors ------------------------------------------------------------------------------
+INPUT_IDS = TensorSpec("input_ids", "INT64", (-1,))
+REQUEST_CONFIG = TensorSpec("request_config", "STRING", (1,))  # JSON of params.RequestConfig
+
+# What postprocess needs to detokenize one response on its own (see detokenize.py): the last few
+# already-sent token ids followed by the new ones, where the new ones start, and whether this is
+# the final response (which flushes any held-back partial character).
+TOKEN_WINDOW = TensorSpec("token_window", "INT64", (-1,))
+READ_OFFSET = TensorSpec("read_offset", "INT32", (1,))
+FLUSH = TensorSpec("flush", "BOOL", (1,))
+RESPONSE_META = TensorSpec("response_meta", "STRING", (1,))    # JSON of detokenize.ResponseMeta
+CANCEL_REQUEST_ID = TensorSpec("cancel_request_id", "STRING", (1,), optional=True)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    decoupled: bool = False
+
+    def input(self, name: str) -> TensorSpec:
+        return next(t for t in self.inputs if t.name == name)
+
+
+PREPROCESS = ModelSpec("preprocess", ENSEMBLE_INPUTS, (INPUT_IDS, REQUEST_CONFIG))
+TARGET_VERIFIER = ModelSpec("target_verifier",
+                            (replace(INPUT_IDS, optional=True), replace(REQUEST_CONFIG, optional=True),
+                             CANCEL_REQUEST_ID),
+                            (TOKEN_WINDOW, READ_OFFSET, FLUSH, RESPONSE_META), decoupled=True)
+POSTPROCESS = ModelSpec("postprocess", (TOKEN_WINDOW, READ_OFFSET, FLUSH, RESPONSE_META), ENSEMBLE_OUTPUTS)
+ENSEMBLE = ModelSpec("llm", ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS)
+ENSEMBLE_STEPS = (PREPROCESS, TARGET_VERIFIER, POSTPROCESS)

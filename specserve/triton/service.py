@@ -1,0 +1,206 @@
+"""The target_verifier's request handling, free of Triton types so it can be tested directly.
+
+`execute()` hands each request here with two callables from its response sender: `send` (one
+`VerifierResponse`, or an error, with the final flag on the last) and `is_cancelled`. The engine
+thread (EngineLoop) produces RequestOutputs; `_on_output` turns each into a response carrying a
+token window for the stateless postprocess (see detokenize.py). A watcher thread polls
+`is_cancelled` — asking the sender costs an IPC round trip, too much for every engine step — and
+cancels the request in the engine, which frees its KV slot at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from specserve.engine import Engine, GenerationRequest, RequestOutput, RequestRejected
+from specserve.engine_loop import EngineLoop
+from specserve.sampling import SamplingParams
+from specserve.triton.detokenize import ResponseMeta, TokenWindow, make_window
+from specserve.triton.params import RequestConfig
+
+log = logging.getLogger("specserve.triton.service")
+
+CANCEL_POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class VerifierResponse:
+    window: TokenWindow
+    meta: ResponseMeta
+    final: bool
+
+
+class Sender(Protocol):
+    def send(self, response: VerifierResponse) -> None: ...   # raises if the client is gone
+    def send_error(self, message: str) -> None: ...            # an error response, final
+    def close(self) -> None: ...                               # the final flag, no response
+    def is_cancelled(self) -> bool: ...
+
+
+class MetricsSink(Protocol):
+    """What the service reports; the Triton adapter turns it into Prometheus metrics."""
+    def spec_step(self, method: str, tier: str, drafts: int, draft_tokens: int, accepted: int,
+                  accepted_per_position: list[int]) -> None: ...
+    def first_token(self, method: str, tier: str, seconds: float) -> None: ...
+    def finished(self, method: str, tier: str, reason: str, num_prompt: int, num_output: int,
+                 time_per_output_token: float | None) -> None: ...
+
+
+@dataclass
+class _Stream:
+    request_id: str
+    sender: Sender
+    config: RequestConfig
+    method: str
+    tokens: list[int]                      # prompt + output so far
+    num_prompt: int
+    num_sent: int                          # tokens whose text went out (the prompt counts as sent unless included)
+    arrived: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    # Cumulative SpecStats already reported to metrics, so each output reports only its delta.
+    reported: tuple[int, int, int] = (0, 0, 0)
+    reported_per_position: list[int] = field(default_factory=list)
+
+
+class VerifierService:
+    def __init__(self, engine: Engine, metrics: MetricsSink | None = None):
+        self.engine = engine
+        self.metrics = metrics
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._stopping = threading.Event()
+        self.loop = EngineLoop(engine, self._on_output, self._on_failure).start()
+        self._watcher = threading.Thread(target=self._watch_cancellations, name="specserve-cancel",
+                                         daemon=True)
+        self._watcher.start()
+
+    # -- requests in ---------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], config: RequestConfig, sender: Sender) -> str:
+        """Queue a request; raises RequestRejected (a ValueError) with a client-facing message."""
+        try:
+            params = SamplingParams(**{**config.sampling, "stop": tuple(config.sampling.get("stop", ()))})
+        except TypeError as e:  # preprocess already rejected unknown keys; this is a wiring bug
+            raise RequestRejected(f"bad sampling parameters: {e}") from None
+        rid = f"r{next(self._ids)}"
+        req = GenerationRequest(rid, list(prompt_ids), params, config.spec_method)
+        method = config.spec_method or self.engine.cfg.default_method
+        num_sent = 0 if config.include_prompt else len(prompt_ids)
+        stream = _Stream(rid, sender, config, method, list(prompt_ids), len(prompt_ids), num_sent)
+        with self._lock:
+            self._streams[rid] = stream
+        try:
+            self.loop.submit(req)
+        except Exception:
+            with self._lock:
+                del self._streams[rid]
+            raise
+        return rid
+
+    def cancel(self, request_id: str) -> None:
+        self.loop.cancel(request_id)
+
+    @property
+    def num_live(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.loop.stop()
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for s in streams:
+            _quietly(s.sender.send_error, "the server is shutting down")
+
+    # -- outputs out (engine thread) -------------------------------------------------------------
+    def _on_output(self, out: RequestOutput) -> None:
+        with self._lock:
+            s = self._streams.get(out.request_id)
+            if s is not None and out.finished:
+                del self._streams[out.request_id]
+        if s is None:
+            return
+        now = time.monotonic()
+        if out.new_token_ids and s.first_token_at is None:
+            s.first_token_at = now
+            if self.metrics is not None:
+                _quietly(self.metrics.first_token, s.method, s.config.tier, now - s.arrived)
+        s.tokens.extend(out.new_token_ids)
+        self._report_spec(s, out)
+        if out.finish_reason == "abort":
+            # Cancelled by the client (or by us when a send failed): nobody reads the stream any
+            # more, but Triton still needs the final flag to retire the request. A bare flag,
+            # not an error response: an error from a step leaves the ensemble request in flight.
+            _quietly(s.sender.close)
+            self._report_finish(s, out, now)
+            return
+        if not (s.config.stream or out.finished):
+            return
+        window = make_window(s.tokens, s.num_sent, flush=out.finished)
+        s.num_sent = len(s.tokens)
+        meta = ResponseMeta(s.request_id, out.num_prompt_tokens, out.num_output_tokens, out.finish_reason or "",
+                            out.stats.to_dict())
+        try:
+            s.sender.send(VerifierResponse(window, meta, final=out.finished))
+        except Exception as e:  # noqa: BLE001 — the client went away; free the slot
+            log.info("request %s: send failed (%s); cancelling it", s.request_id, e)
+            if not out.finished:
+                self.loop.cancel(s.request_id)  # its abort output then ends the stream
+        if out.finished:
+            self._report_finish(s, out, now)
+
+    def _on_failure(self, request_id: str, error: BaseException) -> None:
+        with self._lock:
+            s = self._streams.pop(request_id, None)
+        if s is not None:
+            _quietly(s.sender.send_error, f"the engine failed while running this request: {error}")
+
+    # -- cancellation ----------------------------------------------------------------------------
+    def _watch_cancellations(self) -> None:
+        while not self._stopping.wait(CANCEL_POLL_S):
+            with self._lock:
+                streams = list(self._streams.values())
+            for s in streams:
+                try:
+                    cancelled = s.sender.is_cancelled()
+                except Exception:  # noqa: BLE001 — a sender that cannot answer has lost its client
+                    cancelled = True
+                if cancelled:
+                    self.loop.cancel(s.request_id)
+
+    # -- metrics ---------------------------------------------------------------------------------
+    def _report_spec(self, s: _Stream, out: RequestOutput) -> None:
+        if self.metrics is None:
+            return
+        st = out.stats
+        now = (st.drafts, st.draft_tokens, st.accepted_tokens)
+        per_pos = list(st.accepted_per_position)
+        prev = s.reported_per_position + [0] * (len(per_pos) - len(s.reported_per_position))
+        delta = [a - b for a, b in zip(now, s.reported)]
+        delta_pos = [a - b for a, b in zip(per_pos, prev)]
+        if any(delta) or any(delta_pos):
+            _quietly(self.metrics.spec_step, s.method, s.config.tier, *delta, delta_pos)
+        s.reported, s.reported_per_position = now, per_pos
+
+    def _report_finish(self, s: _Stream, out: RequestOutput, now: float) -> None:
+        if self.metrics is None:
+            return
+        tpot = None
+        if s.first_token_at is not None and out.num_output_tokens > 1:
+            tpot = (now - s.first_token_at) / (out.num_output_tokens - 1)
+        _quietly(self.metrics.finished, s.method, s.config.tier, out.finish_reason or "abort",
+                     out.num_prompt_tokens, out.num_output_tokens, tpot)
+
+
+def _quietly(fn: Callable, *args) -> None:
+    """Call fn, logging (not raising) failures: one broken client must not stop the engine thread."""
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001
+        log.exception("%s failed", getattr(fn, "__qualname__", fn))
