@@ -118,6 +118,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    # The ONNX exporter cannot lower SDPA's enable_gqa; export sets this to repeat k/v heads instead.
+    expand_kv_heads = False
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer, self.cfg = layer, cfg
@@ -140,8 +143,11 @@ class Attention(nn.Module):
         if cache is not None:
             cache.write(self.layer, batch.slots, batch.starts, k, v)
             k, v = cache.read(self.layer, batch.slots, batch.mask.shape[-1])  # [B, Hkv, S, hd]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask[:, None],
-                                             enable_gqa=c.num_kv_heads != c.num_heads)
+        gqa = c.num_kv_heads != c.num_heads
+        if gqa and self.expand_kv_heads:
+            rep = c.num_heads // c.num_kv_heads
+            k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask[:, None], enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim))
 
 
