@@ -38,6 +38,8 @@ _HISTOGRAMS = {
              "Mean time per output token after the first, per request, in seconds.", TPOT_BUCKETS),
 }
 
+RUNNING = ("specserve_num_requests_running", "Requests holding or waiting for a KV slot in the engine.")
+
 
 class TritonMetrics:
     """Implements service.MetricsSink with pb_utils.MetricFamily counters and histograms."""
@@ -48,6 +50,7 @@ class TritonMetrics:
                           for key, (name, desc) in _COUNTERS.items()}
         self._families.update({key: fam(name=name, description=desc, kind=fam.HISTOGRAM)
                                for key, (name, desc, _) in _HISTOGRAMS.items()})
+        self._families["running"] = fam(name=RUNNING[0], description=RUNNING[1], kind=fam.GAUGE)
         self._buckets = {key: b for key, (_, _, b) in _HISTOGRAMS.items()}
         self._metrics: dict[tuple, Any] = {}
         self._queue: queue.Queue = queue.Queue()
@@ -75,6 +78,9 @@ class TritonMetrics:
         self._inc("generation_tokens", labels, num_output)
         if time_per_output_token is not None:
             self._queue.put(("tpot", labels, "observe", time_per_output_token))
+
+    def running(self, n: int) -> None:
+        self._queue.put(("running", {}, "set", n))
 
     def close(self) -> None:
         self._queue.put(None)

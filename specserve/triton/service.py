@@ -49,6 +49,7 @@ class MetricsSink(Protocol):
     def first_token(self, method: str, tier: str, seconds: float) -> None: ...
     def finished(self, method: str, tier: str, reason: str, num_prompt: int, num_output: int,
                  time_per_output_token: float | None) -> None: ...
+    def running(self, n: int) -> None: ...
 
 
 @dataclass
@@ -100,6 +101,7 @@ class VerifierService:
             with self._lock:
                 del self._streams[rid]
             raise
+        self._report_running()
         return rid
 
     def cancel(self, request_id: str) -> None:
@@ -160,6 +162,7 @@ class VerifierService:
             s = self._streams.pop(request_id, None)
         if s is not None:
             _quietly(s.sender.send_error, f"the engine failed while running this request: {error}")
+            self._report_running()
 
     # -- cancellation ----------------------------------------------------------------------------
     def _watch_cancellations(self) -> None:
@@ -188,9 +191,14 @@ class VerifierService:
             _quietly(self.metrics.spec_step, s.method, s.config.tier, *delta, delta_pos)
         s.reported, s.reported_per_position = now, per_pos
 
+    def _report_running(self) -> None:
+        if self.metrics is not None:
+            _quietly(self.metrics.running, self.num_live)
+
     def _report_finish(self, s: _Stream, out: RequestOutput, now: float) -> None:
         if self.metrics is None:
             return
+        self._report_running()
         tpot = None
         if s.first_token_at is not None and out.num_output_tokens > 1:
             tpot = (now - s.first_token_at) / (out.num_output_tokens - 1)

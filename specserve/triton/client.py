@@ -1,0 +1,96 @@
+"""A small tritonclient.grpc streaming client for the `llm` ensemble (used by clients/, the demo
+and the tests): one request per stream, responses gathered into a Completion."""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specserve.triton import schema
+
+
+class CompletionError(RuntimeError):
+    """The server answered the request with an error; the message is the server's."""
+
+
+@dataclass
+class Completion:
+    text: str
+    chunks: list[str]                 # text_output of each response, in order
+    finish_reason: str
+    num_input_tokens: int
+    num_output_tokens: int
+    spec_stats: dict = field(default_factory=dict)
+    ttft_s: float = 0.0               # first response with text
+    total_s: float = 0.0
+
+
+def build_inputs(prompt: str | bytes | None, sampling: dict | str | None = None, *,
+                 stream: bool | None = True, exclude_input_in_output: bool | None = None):
+    """InferInputs for `llm`; None leaves an input out (they are optional except text_input)."""
+    import tritonclient.grpc as grpcclient
+
+    def tensor(spec: schema.TensorSpec, value):
+        dtype = "BYTES" if spec.dtype == "STRING" else spec.dtype
+        arr = np.array([value], dtype=spec.numpy_dtype)
+        t = grpcclient.InferInput(spec.name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        return t
+
+    if isinstance(sampling, dict):
+        sampling = json.dumps(sampling)
+    values = {schema.TEXT_INPUT: prompt.encode() if isinstance(prompt, str) else prompt,
+              schema.STREAM: stream, schema.SAMPLING_PARAMETERS: sampling,
+              schema.EXCLUDE_INPUT_IN_OUTPUT: exclude_input_in_output}
+    return [tensor(spec, v) for spec, v in values.items() if v is not None]
+
+
+class StreamClient:
+    def __init__(self, url: str, model: str = schema.ENSEMBLE.name):
+        import tritonclient.grpc as grpcclient
+
+        self.client = grpcclient.InferenceServerClient(url)
+        self.model = model
+
+    def generate(self, prompt: str | bytes | None, sampling: dict | str | None = None, *,
+                 stream: bool | None = True, exclude_input_in_output: bool | None = None,
+                 timeout: float = 120.0) -> Completion:
+        results: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: results.put((result, error)))
+        try:
+            start = time.monotonic()
+            self.client.async_stream_infer(
+                self.model, build_inputs(prompt, sampling, stream=stream,
+                                         exclude_input_in_output=exclude_input_in_output),
+                enable_empty_final_response=True)
+            return self._collect(results, start, timeout)
+        finally:
+            self.client.stop_stream()
+
+    def _collect(self, results: queue.Queue, start: float, timeout: float) -> Completion:
+        out = Completion("", [], "", 0, 0)
+        while True:
+            result, error = results.get(timeout=timeout)
+            if error is not None:
+                raise CompletionError(str(error.message() if hasattr(error, "message") else error))
+            text = result.as_numpy(schema.TEXT_OUTPUT.name)
+            if text is not None:
+                piece = text.reshape(-1)[0].decode("utf-8")
+                if piece and not out.ttft_s:
+                    out.ttft_s = time.monotonic() - start
+                out.chunks.append(piece)
+                out.finish_reason = result.as_numpy(schema.FINISH_REASON.name).reshape(-1)[0].decode()
+                out.num_input_tokens = int(result.as_numpy(schema.NUM_INPUT_TOKENS.name).reshape(-1)[0])
+                out.num_output_tokens = int(result.as_numpy(schema.NUM_OUTPUT_TOKENS.name).reshape(-1)[0])
+                out.spec_stats = json.loads(result.as_numpy(schema.SPEC_STATS.name).reshape(-1)[0])
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                out.text = "".join(out.chunks)
+                out.total_s = time.monotonic() - start
+                return out
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,275 @@
+"""End to end through a real tritonserver: the rendered repository, gRPC streaming, HTTP generate,
+errors, cancellation and metrics (issue 3).
+
+Two servers start once for the module, in parallel: a tiny random Llama and a tiny random Qwen2,
+each with a byte-level BPE tokenizer trained here. The Qwen2 checkpoint has no EOS, so a long
+request there runs until it is cancelled.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tiny_checkpoint
+from specserve.triton.client import CompletionError, StreamClient, build_inputs
+from specserve.triton.launch import Ports, TritonServer
+from specserve.triton.render import RepositorySettings, render_repository
+from tiny_tokenizer import train_tiny_tokenizer
+
+pytestmark = pytest.mark.triton
+
+MAX_MODEL_LEN = {"llama": 256, "qwen2": 2048}
+PROMPTS = [
+    "Hello 世界! 😀 the quick",
+    "中文 and 龘 and 🚀",          # 龘 is not in the tokenizer's corpus: three byte tokens
+    "def add(a, b):\n    return",
+]
+
+
+class Deployment:
+    def __init__(self, family: str, root: Path):
+        self.family = family
+        self._hf = None
+        self.ckpt = root / "ckpt"
+        self.ckpt.mkdir(parents=True)
+        train_tiny_tokenizer(self.ckpt)
+        from tokenizers import Tokenizer
+        self.tokenizer = Tokenizer.from_file(str(self.ckpt / "tokenizer.json"))
+        extra = {"eos_token_id": None} if family == "qwen2" else {}
+        make_tiny_checkpoint(self.ckpt, family, vocab_size=self.tokenizer.get_vocab_size(), seed=3,
+                             max_position_embeddings=MAX_MODEL_LEN[family], **extra)
+        repo = render_repository(RepositorySettings(self.ckpt, max_num_seqs=16,
+                                                    max_model_len=MAX_MODEL_LEN[family]),
+                                 root / "model_repository")
+        self.server = TritonServer(repo, root, Ports.free(), log_file=root / "tritonserver.log",
+                                   exit_timeout_s=5)
+
+    def client(self) -> StreamClient:
+        return StreamClient(self.server.grpc_url)
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.server.metrics_url, timeout=10) as r:
+            text = r.read().decode()
+        return {m.group(1): float(m.group(2))
+                for m in re.finditer(r"^(specserve_\S+) (\S+)$", text, re.MULTILINE)}
+
+    def hf_greedy(self, prompt: str, max_tokens: int) -> tuple[str, int]:
+        import transformers
+        if self._hf is None:
+            self._hf = transformers.AutoModelForCausalLM.from_pretrained(self.ckpt, dtype=torch.float32).eval()
+        model = self._hf
+        ids = torch.tensor([self.tokenizer.encode(prompt).ids])
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+        new = out[0, ids.shape[1]:].tolist()
+        return self.tokenizer.decode(new, skip_special_tokens=True), len(new)
+
+
+@pytest.fixture(scope="module")
+def deployments(tmp_path_factory):
+    deps = {f: Deployment(f, tmp_path_factory.mktemp(f"triton_{f}")) for f in ("llama", "qwen2")}
+    try:
+        for d in deps.values():
+            d.server.start()
+        for d in deps.values():
+            d.server.wait_ready(180)
+        yield deps
+    finally:
+        for d in deps.values():
+            d.server.stop()
+
+
+@pytest.fixture(scope="module")
+def llama(deployments):
+    return deployments["llama"]
+
+
+def test_a_prompt_splits_a_character_across_tokens(llama):
+    # The point of the 龘 prompt: its tokens are pieces of one character.
+    ids = llama.tokenizer.encode(PROMPTS[1]).ids
+    assert any("\ufffd" in llama.tokenizer.decode([i]) for i in ids)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_greedy_stream_equals_transformers(deployments, family, method):
+    dep = deployments[family]
+    client = dep.client()
+    for prompt in PROMPTS:
+        want, n = dep.hf_greedy(prompt, 24)
+        got = client.generate(prompt, {"max_tokens": 24, "spec_method": method})
+        assert got.text == want, (prompt, got.chunks)
+        assert got.num_output_tokens == n
+        assert got.num_input_tokens == len(dep.tokenizer.encode(prompt).ids)
+        assert got.finish_reason in ("length", "stop")
+        assert got.spec_stats["method"] == method
+        assert len(got.chunks) > 1  # streamed, not one blob
+        # Never half a character: a held-back partial character shows as U+FFFD at a chunk end
+        # only if the model itself produced invalid UTF-8, which then stays U+FFFD in `want`.
+        assert all(not c.endswith("\ufffd") or "\ufffd" in want for c in got.chunks)
+
+
+def test_stream_false_returns_one_response_with_the_prompt(llama):
+    got = llama.client().generate(PROMPTS[0], {"max_tokens": 8}, stream=False)
+    want, _ = llama.hf_greedy(PROMPTS[0], 8)
+    assert len(got.chunks) == 1
+    assert got.text == PROMPTS[0] + want  # vLLM backend default: prompt included when not streaming
+    excluded = llama.client().generate(PROMPTS[0], {"max_tokens": 8}, stream=False, exclude_input_in_output=True)
+    assert excluded.text == want
+
+
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_seeded_sampling_is_reproducible(llama, method):
+    params = {"max_tokens": 16, "temperature": 0.9, "top_p": 0.9, "top_k": 50, "seed": 7, "spec_method": method}
+    a = llama.client().generate(PROMPTS[2], params)
+    b = llama.client().generate(PROMPTS[2], params)
+    assert a.text == b.text and a.num_output_tokens == b.num_output_tokens
+
+
+def test_16_concurrent_streams_each_equal_their_solo_output(llama):
+    jobs = [(f"{PROMPTS[i % 3]} #{i}", {"max_tokens": 20, "spec_method": ("none", "ngram")[i % 2]})
+            for i in range(16)]
+    solo = [llama.client().generate(p, s).text for p, s in jobs]
+    barrier = threading.Barrier(16)
+
+    def run(job):
+        client = llama.client()
+        barrier.wait()
+        return client.generate(*job).text
+
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(run, jobs))
+    assert together == solo
+
+
+BAD_INPUTS = [
+    ("missing text_input", None, {"max_tokens": 4}, "missing required input 'text_input'"),
+    ("empty prompt", "", {"max_tokens": 4}, "text_input is empty"),
+    ("prompt longer than the model", "hello world " * 200, {"max_tokens": 4}, "exceeds the model length 256"),
+    ("max_tokens 0", "hi", {"max_tokens": 0}, "max_tokens must be a positive integer"),
+    ("max_tokens negative", "hi", {"max_tokens": -5}, "max_tokens must be a positive integer"),
+    ("max_tokens above the limit", "hi", {"max_tokens": 100000}, "exceeds the limit 256"),
+    ("max_tokens not an integer", "hi", {"max_tokens": "ten"}, "max_tokens must be an integer"),
+    ("not JSON", "hi", '{"max_tokens": 4', "sampling_parameters is not valid JSON"),
+    ("JSON but not an object", "hi", "[4]", "sampling_parameters must be a JSON object"),
+    ("unknown keys", "hi", {"max_tokens": 4, "beam_width": 2, "foo": 1},
+     "unknown sampling_parameters key(s): beam_width, foo"),
+    ("negative temperature", "hi", {"temperature": -0.5}, "temperature must be >= 0"),
+    ("top_p zero", "hi", {"top_p": 0}, "top_p must be in (0, 1]"),
+    ("top_p above one", "hi", {"top_p": 1.5}, "top_p must be in (0, 1]"),
+    ("negative top_k", "hi", {"top_k": -1}, "top_k must be an integer >= 0"),
+    ("unknown spec_method", "hi", {"spec_method": "eagle9"}, "unknown spec_method 'eagle9'"),
+    ("invalid UTF-8", b"abc\xff\xfe def", {"max_tokens": 4}, "text_input is not valid UTF-8"),
+]
+
+
+@pytest.mark.parametrize("name,prompt,params,message", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_gets_an_error_and_the_server_keeps_serving(llama, name, prompt, params, message):
+    client = llama.client()
+    with pytest.raises(CompletionError) as err:
+        client.generate(prompt, params)
+    assert message in str(err.value)
+    ok = client.generate("hi there", {"max_tokens": 3})
+    assert ok.num_output_tokens == 3 and ok.finish_reason == "length"
+
+
+def test_client_cancel_mid_stream_frees_the_slot(deployments):
+    dep = deployments["qwen2"]  # no EOS: 1900 tokens take far longer than the cancel
+    before = dep.metrics()
+    client = dep.client().client
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    client.async_stream_infer("llm", build_inputs("cancel me", {"max_tokens": 1900}),
+                              enable_empty_final_response=True)
+    for _ in range(3):
+        result, error = results.get(timeout=60)
+        assert error is None
+    client.stop_stream(cancel_requests=True)
+
+    key = 'specserve_request_success_total{finished_reason="abort",method="none",tier="default"}'
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        now = dep.metrics()
+        if now.get(key, 0) > before.get(key, 0) and now.get("specserve_num_requests_running") == 0:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"no abort recorded after the cancel: {now}")
+    # It stopped early, and the server serves the next request.
+    gen = 'specserve_generation_tokens_total{method="none",tier="default"}'
+    assert now[gen] - before.get(gen, 0) < 1900
+    assert dep.client().generate("next", {"max_tokens": 4}).num_output_tokens == 4
+
+
+def test_metrics_counters_move(llama):
+    before = llama.metrics()
+    # A repetitive prompt gives n-gram lookup something to draft.
+    got = llama.client().generate("a b c a b c a b c a b c a b", {"max_tokens": 32, "spec_method": "ngram"})
+    labels = '{method="ngram",tier="default"}'
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # metrics are reported from a worker thread
+        after = llama.metrics()
+        if after.get(f"specserve_request_success_total{{finished_reason=\"{got.finish_reason}\",method=\"ngram\",tier=\"default\"}}", 0) > \
+                before.get(f"specserve_request_success_total{{finished_reason=\"{got.finish_reason}\",method=\"ngram\",tier=\"default\"}}", 0):
+            break
+        time.sleep(0.2)
+
+    def moved(name):
+        return after.get(name + labels, 0) - before.get(name + labels, 0)
+
+    assert got.spec_stats["draft_tokens"] > 0
+    assert moved("specserve_spec_decode_num_drafts_total") == got.spec_stats["drafts"]
+    assert moved("specserve_spec_decode_num_draft_tokens_total") == got.spec_stats["draft_tokens"]
+    assert moved("specserve_spec_decode_num_accepted_tokens_total") == got.spec_stats["accepted_tokens"]
+    assert moved("specserve_generation_tokens_total") == got.num_output_tokens
+    assert moved("specserve_time_to_first_token_seconds_count") == 1
+    assert moved("specserve_time_per_output_token_seconds_count") == 1
+    per_pos = sum(v for k, v in after.items()
+                  if k.startswith("specserve_spec_decode_num_accepted_tokens_per_pos_total") and 'method="ngram"' in k)
+    per_pos_before = sum(v for k, v in before.items()
+                         if k.startswith("specserve_spec_decode_num_accepted_tokens_per_pos_total") and 'method="ngram"' in k)
+    assert per_pos - per_pos_before == got.spec_stats["accepted_tokens"]
+
+
+def _post(url: str, body: dict) -> urllib.request.Request:
+    return urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+
+
+def test_http_generate_stream_sse(llama):
+    prompt = PROMPTS[1]
+    params = {"max_tokens": 16, "spec_method": "ngram"}
+    want = llama.client().generate(prompt, params)
+    body = {"text_input": prompt, "stream": True, "exclude_input_in_output": True,
+            "sampling_parameters": json.dumps(params)}
+    events = []
+    with urllib.request.urlopen(_post(f"http://{llama.server.http_url}/v2/models/llm/generate_stream", body),
+                                timeout=60) as r:
+        for line in r:  # curl-style: one "data: {json}" line per event, blank lines between
+            line = line.decode().strip()
+            if line.startswith("data:"):
+                events.append(json.loads(line[len("data:"):]))
+    assert len(events) > 1
+    assert "".join(e["text_output"] for e in events) == want.text
+    assert events[-1]["finish_reason"] == want.finish_reason
+    assert json.loads(events[-1]["spec_stats"])["method"] == "ngram"
+
+    one = json.loads(urllib.request.urlopen(
+        _post(f"http://{llama.server.http_url}/v2/models/llm/generate",
+              {"text_input": prompt, "sampling_parameters": json.dumps(params)}), timeout=60).read())
+    assert one["text_output"] == prompt + want.text
+
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(_post(f"http://{llama.server.http_url}/v2/models/llm/generate",
+                                     {"text_input": prompt, "sampling_parameters": '{"top_k": -2}'}), timeout=60)
+    assert "top_k must be an integer >= 0" in err.value.read().decode()
