@@ -1,0 +1,216 @@
+"""The Triton adapters without a server: parameters, detokenization, rendering, launch helpers and
+the verifier service driving a real tiny engine with fake response senders."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from google.protobuf import text_format
+
+from conftest import make_tiny_checkpoint
+from specserve.triton import schema
+from specserve.triton.detokenize import TokenWindow, make_window, stable, text_delta
+from specserve.triton.params import BadRequest, make_request_config, parse_sampling_parameters
+from specserve.triton.render import RepositorySettings, render_repository
+from tiny_tokenizer import train_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("adapters_ckpt")
+    train_tiny_tokenizer(path)
+    from tokenizers import Tokenizer
+    vocab = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size()
+    make_tiny_checkpoint(path, "llama", vocab_size=vocab, seed=3)
+    return path
+
+
+@pytest.fixture(scope="module")
+def decode(ckpt):
+    from specserve.triton.tokenizer import load_tokenizer, make_decode
+    return make_decode(load_tokenizer(ckpt))
+
+
+# -- sampling_parameters -------------------------------------------------------------------------
+def test_parse_sampling_parameters_accepts_the_known_keys():
+    sampling, method = parse_sampling_parameters(json.dumps(
+        {"max_tokens": 5, "temperature": 1, "top_p": 0.5, "top_k": 3, "seed": 1, "stop": "x", "spec_method": "ngram"}))
+    assert sampling == {"max_tokens": 5, "temperature": 1.0, "top_p": 0.5, "top_k": 3, "seed": 1, "stop": ["x"]}
+    assert method == "ngram"
+    assert parse_sampling_parameters(None) == ({}, None)
+    assert parse_sampling_parameters("  ") == ({}, None)
+
+
+@pytest.mark.parametrize("raw,message", [
+    ("{", "not valid JSON"),
+    ("3", "must be a JSON object"),
+    ('{"n": 2, "best_of": 3}', "unknown sampling_parameters key(s): best_of, n"),
+    ('{"max_tokens": 2.5}', "max_tokens must be an integer"),
+    ('{"max_tokens": true}', "max_tokens must be an integer"),
+    ('{"temperature": "hot"}', "temperature must be a number"),
+    ('{"stop": [1]}', "stop must be a string or a list of strings"),
+    ('{"spec_method": 3}', "spec_method must be a string"),
+    (b"\xff", "not valid UTF-8"),
+])
+def test_parse_sampling_parameters_rejects(raw, message):
+    with pytest.raises(BadRequest, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_sampling_parameters(raw)
+
+
+def test_request_config_follows_the_vllm_backend_defaults():
+    assert make_request_config(None, None, None).include_prompt          # not streaming: prompt included
+    assert not make_request_config(None, True, None).include_prompt      # streaming: new text only
+    assert make_request_config(None, True, False).include_prompt         # unless asked for
+    assert not make_request_config(None, False, True).include_prompt
+
+
+# -- detokenization ------------------------------------------------------------------------------
+def test_stable_holds_back_at_most_three_replacement_characters():
+    assert stable("ab\ufffd") == "ab"
+    assert stable("a\ufffd\ufffd\ufffd\ufffd") == "a\ufffd"
+    assert stable("abc") == "abc"
+
+
+def test_split_character_is_held_back_until_complete(decode, ckpt):
+    from specserve.triton.tokenizer import load_tokenizer
+    tok = load_tokenizer(ckpt)
+    ids = tok.encode("a龘").ids            # 龘 = E9 BE 98, not in the corpus: one token per byte
+    assert len(ids) == 4
+    pieces = [text_delta(decode, make_window(ids[:n], n - 1, flush=False)) for n in range(2, 5)]
+    assert pieces == ["", "", "龘"]
+
+
+def test_streamed_pieces_concatenate_to_the_full_decode(decode, ckpt):
+    """Random token streams (mostly invalid UTF-8) cut into random chunks, windows included."""
+    from specserve.triton.tokenizer import load_tokenizer
+    tok = load_tokenizer(ckpt)
+    rng = random.Random(0)
+    vocab = tok.get_vocab_size()
+    for _ in range(1500):
+        prompt = tok.encode(rng.choice(["hi ", "你好", "🚀 go", "x"])).ids
+        tokens = prompt + [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        sent, pieces = len(prompt), []
+        while sent < len(tokens):
+            n = min(len(tokens), sent + rng.randrange(1, 5))
+            piece = text_delta(decode, make_window(tokens[:n], sent, flush=n == len(tokens)))
+            pieces.append(piece)
+            sent = n
+        assert "".join(pieces) == decode(tokens)[len(decode(prompt)):]
+
+
+def test_window_reaches_back_a_few_tokens():
+    w = make_window(list(range(20)), 15, flush=False)
+    assert w.token_ids[w.read_offset:] == [15, 16, 17, 18, 19] and w.read_offset == 8
+    assert make_window([1, 2, 3], 0, flush=True) == TokenWindow([1, 2, 3], 0, True)
+
+
+# -- rendering -----------------------------------------------------------------------------------
+def _parse(path: Path):
+    from tritonclient.grpc import model_config_pb2
+    return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+
+
+def test_rendered_configs_carry_the_schema(ckpt, tmp_path):
+    repo = render_repository(RepositorySettings(ckpt, max_num_seqs=3, max_model_len=64), tmp_path / "repo")
+    for spec in (*schema.ENSEMBLE_STEPS, schema.ENSEMBLE):
+        cfg = _parse(repo / spec.name / "config.pbtxt")
+        assert cfg.name == spec.name
+        assert [(i.name, list(i.dims), i.optional) for i in cfg.input] == \
+               [(t.name, list(t.dims), t.optional) for t in spec.inputs]
+        assert [o.name for o in cfg.output] == [t.name for t in spec.outputs]
+    verifier = _parse(repo / "target_verifier" / "config.pbtxt")
+    assert verifier.model_transaction_policy.decoupled
+    assert verifier.parameters["max_num_seqs"].string_value == "3"
+    assert verifier.parameters["checkpoint"].string_value == str(Path(ckpt).resolve())
+    ensemble = _parse(repo / "llm" / "config.pbtxt")
+    steps = ensemble.ensemble_scheduling.step
+    assert [s.model_name for s in steps] == ["preprocess", "target_verifier", "postprocess"]
+    assert "cancel_request_id" not in steps[1].input_map  # sent only by postprocess over BLS
+    for step in steps:
+        assert (repo / step.model_name / "1" / "model.py").exists()
+
+
+# -- launch helpers ------------------------------------------------------------------------------
+def test_backend_dir_has_the_stub_beside_the_backend(tmp_path):
+    from specserve.triton.launch import NGC_ROOT, prepare_backends, server_env
+    backends = prepare_backends(tmp_path)
+    if not (NGC_ROOT / "bin" / "tritonserver").exists():
+        assert (backends / "python" / "triton_python_backend_stub").exists()
+        assert (backends / "python" / "libtriton_python.so").exists()
+    env = server_env({"PATH": "/usr/bin"})
+    import sysconfig
+    assert env["LD_LIBRARY_PATH"].split(":")[0] == sysconfig.get_config_var("LIBDIR")
+    assert env["PATH"].split(":")[0] == str(Path(sys.executable).parent)
+
+
+# -- the verifier service, with fake senders -------------------------------------------------------
+class FakeSender:
+    def __init__(self, delay: float = 0.0):
+        self.responses, self.errors, self.closed, self.cancelled = [], [], False, False
+        self.done = threading.Event()
+        self.delay = delay  # a slow client: sends run on the engine thread, so generation slows too
+
+    def send(self, r):
+        time.sleep(self.delay)
+        self.responses.append(r)
+        if r.final:
+            self.done.set()
+
+    def send_error(self, message):
+        self.errors.append(message)
+        self.done.set()
+
+    def close(self):
+        self.closed = True
+        self.done.set()
+
+    def is_cancelled(self):
+        return self.cancelled
+
+
+@pytest.fixture(scope="module")
+def service(ckpt):
+    from specserve.triton.factory import EngineSettings, build_engine
+    from specserve.triton.service import VerifierService
+    engine, _ = build_engine(EngineSettings(ckpt, max_num_seqs=4, max_model_len=256))
+    svc = VerifierService(engine)
+    yield svc
+    svc.stop()
+
+
+def test_service_streams_windows_that_rebuild_the_text(service, decode):
+    from specserve.triton.params import RequestConfig
+    sender = FakeSender()
+    prompt = [5, 6, 7]
+    service.submit(prompt, RequestConfig(sampling={"max_tokens": 12}, stream=True), sender)
+    assert sender.done.wait(30)
+    assert sender.responses[-1].final and sender.responses[-1].meta.finish_reason in ("length", "stop")
+    assert all(not r.final for r in sender.responses[:-1])
+    text = "".join(text_delta(decode, r.window) for r in sender.responses)
+    out = []
+    for r in sender.responses:
+        out += r.window.token_ids[r.window.read_offset:]
+    assert text == decode(prompt + out)[len(decode(prompt)):]
+    assert sender.responses[-1].meta.num_output_tokens == len(out)
+
+
+def test_service_rejects_with_a_message_and_cancels(service):
+    from specserve.engine import RequestRejected
+    from specserve.triton.params import RequestConfig
+    with pytest.raises(RequestRejected, match="unknown spec_method"):
+        service.submit([1, 2], RequestConfig(spec_method="nope"), FakeSender())
+    sender = FakeSender(delay=0.02)  # 240 tokens take ~5 s, far longer than the watcher's poll
+    sender.cancelled = True  # the client is gone already: the watcher cancels in the engine
+    service.submit([1, 2, 3], RequestConfig(sampling={"max_tokens": 240}, stream=True), sender)
+    assert sender.done.wait(10) and sender.closed
+    deadline = time.monotonic() + 5
+    while service.num_live and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert service.num_live == 0 and service.engine.num_free_slots == 4
+    assert len(sender.responses) < 240
