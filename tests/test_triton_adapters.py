@@ -18,7 +18,7 @@ from specserve.triton import schema
 from specserve.triton.detokenize import TokenWindow, make_window, stable, text_delta
 from specserve.triton.params import BadRequest, make_request_config, parse_sampling_parameters
 from specserve.triton.render import RepositorySettings, render_repository
-from tiny_tokenizer import train_tiny_tokenizer
+from specserve.tiny import train_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

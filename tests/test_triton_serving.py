@@ -25,7 +25,7 @@ from conftest import make_tiny_checkpoint
 from specserve.triton.client import CompletionError, StreamClient, build_inputs
 from specserve.triton.launch import Ports, TritonServer
 from specserve.triton.render import RepositorySettings, render_repository
-from tiny_tokenizer import train_tiny_tokenizer
+from specserve.tiny import train_tiny_tokenizer
 
 pytestmark = pytest.mark.triton
 

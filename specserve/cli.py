@@ -1,0 +1,150 @@
+"""specserve: lossless speculative decoding served by Triton.
+
+The `specserve` command. Subcommands register themselves in COMMANDS (serve now; bench,
+drafters, … as they are built).
+
+    specserve serve --target models/demo/target [--http-port 8000] [--grpc-port 8001]
+                    [--metrics-port 8002] [--max-num-seqs 16] [--max-model-len L] [--work-dir W]
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Callable
+
+
+class CliError(Exception):
+    """A problem the user can fix; printed without a traceback, exit status 2."""
+
+
+# -- serve ---------------------------------------------------------------------------------------
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="render a model repository for a checkpoint and run tritonserver",
+                       description="Render a Triton model repository for a Hugging Face checkpoint folder "
+                                   "(config.json, *.safetensors, tokenizer.json) and run tritonserver in "
+                                   "the foreground. Ctrl-C stops it.")
+    p.add_argument("--target", required=True, type=Path, help="checkpoint folder of the target model")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded at once (KV slots)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output tokens per sequence (default: min(model limit, 2048))")
+    p.add_argument("--max-draft-len", type=int, default=8, help="drafted tokens per step, at most")
+    p.add_argument("--default-method", default="none",
+                   help="speculation method for requests that do not set spec_method")
+    p.add_argument("--work-dir", type=Path, default=Path("work_dirs/serve"),
+                   help="where the rendered repository, backends and logs go")
+    p.set_defaults(run=_serve)
+
+
+def _check_port(port: int, flag: str) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            raise CliError(f"port {port} is already in use; choose another with {flag}") from None
+
+
+def check_checkpoint(target: Path, max_model_len: int | None) -> int:
+    """Fail fast, before starting a server, on a checkpoint the engine cannot serve.
+    Returns the max_model_len to use."""
+    from specserve.model import CheckpointError, load_config
+    from specserve.triton.factory import PROPOSERS  # noqa: F401 — importable proposers
+    from specserve.triton.tokenizer import TokenizerError, load_tokenizer
+
+    try:
+        cfg = load_config(target)
+        load_tokenizer(target)
+    except (CheckpointError, TokenizerError) as e:
+        raise CliError(f"cannot serve {target}: {e}") from None
+    if not any(target.glob("*.safetensors")):
+        raise CliError(f"cannot serve {target}: no *.safetensors weights")
+    limit = cfg.max_position_embeddings
+    if max_model_len is None:
+        return min(limit, 2048)
+    if not 0 < max_model_len <= limit:
+        raise CliError(f"--max-model-len {max_model_len} must be in [1, {limit}] (the model's "
+                       f"max_position_embeddings)")
+    return max_model_len
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from specserve.triton.factory import PROPOSERS
+    from specserve.triton.launch import Ports, ServerStartError, TritonServer
+    from specserve.triton.render import RepositorySettings, render_repository
+
+    max_len = check_checkpoint(args.target, args.max_model_len)
+    methods = ["none", *PROPOSERS]
+    if args.default_method not in methods:
+        raise CliError(f"--default-method {args.default_method!r} is not one of {', '.join(methods)}")
+    if args.max_num_seqs < 1:
+        raise CliError("--max-num-seqs must be at least 1")
+    for port, flag in ((args.http_port, "--http-port"), (args.grpc_port, "--grpc-port"),
+                       (args.metrics_port, "--metrics-port")):
+        _check_port(port, flag)
+    work = args.work_dir.resolve()
+    repo = render_repository(RepositorySettings(args.target, max_num_seqs=args.max_num_seqs, max_model_len=max_len,
+                                                max_draft_len=args.max_draft_len,
+                                                default_method=args.default_method), work / "model_repository")
+    server = TritonServer(repo, work, Ports(args.http_port, args.grpc_port, args.metrics_port))
+    # Ctrl-C and SIGTERM (docker stop, Kubernetes) both stop the server gracefully; the server
+    # runs in its own process group, so the signal reaches it only through server.stop().
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
+    print(f"specserve: serving {args.target} (max_model_len={max_len}, max_num_seqs={args.max_num_seqs}, "
+          f"methods: {', '.join(methods)}) from {repo}", flush=True)
+    try:
+        server.start()
+        server.wait_ready(timeout=600)
+    except ServerStartError as e:
+        server.stop()
+        raise CliError(f"tritonserver did not start: {e}") from None
+    except KeyboardInterrupt:
+        server.stop()
+        return 130
+    print(f"specserve: ready\n"
+          f"  gRPC     {server.grpc_url}   (model 'llm', streaming)\n"
+          f"  HTTP     http://{server.http_url}/v2/models/llm/generate  |  /generate_stream\n"
+          f"  metrics  {server.metrics_url}\n"
+          f"  Ctrl-C to stop", flush=True)
+    try:
+        code = server.process.wait()
+    except KeyboardInterrupt:
+        code = server.stop() or 0
+        return 0 if code in (0, None) else code
+    if code != 0:
+        print(f"specserve: tritonserver exited with code {code}", file=sys.stderr)
+    return code
+
+
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_serve]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except CliError as e:
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
