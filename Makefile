@@ -25,8 +25,9 @@ test: install
 demo: install
 	$(PY) -m specserve.demo
 
+# The demo model when it is there, else a tiny random one made on the spot (the demo says which).
 serve: install
-	$(VENV)/bin/specserve serve --target models/demo/target
+	$(VENV)/bin/specserve serve --target "$$($(PY) -m specserve.demo --print-target)"
 
 engine-bench: install
 	$(PY) benchmarks/engine_bench.py

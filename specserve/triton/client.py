@@ -7,6 +7,7 @@ import json
 import queue
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -58,7 +59,8 @@ class StreamClient:
 
     def generate(self, prompt: str | bytes | None, sampling: dict | str | None = None, *,
                  stream: bool | None = True, exclude_input_in_output: bool | None = None,
-                 timeout: float = 120.0) -> Completion:
+                 timeout: float = 120.0, on_chunk: Callable[[str], None] | None = None) -> Completion:
+        """Send one request and wait for its final response; on_chunk sees each piece of text."""
         results: queue.Queue = queue.Queue()
         self.client.start_stream(callback=lambda result, error: results.put((result, error)))
         try:
@@ -67,11 +69,12 @@ class StreamClient:
                 self.model, build_inputs(prompt, sampling, stream=stream,
                                          exclude_input_in_output=exclude_input_in_output),
                 enable_empty_final_response=True)
-            return self._collect(results, start, timeout)
+            return self._collect(results, start, timeout, on_chunk)
         finally:
             self.client.stop_stream()
 
-    def _collect(self, results: queue.Queue, start: float, timeout: float) -> Completion:
+    def _collect(self, results: queue.Queue, start: float, timeout: float,
+                 on_chunk: Callable[[str], None] | None) -> Completion:
         out = Completion("", [], "", 0, 0)
         while True:
             result, error = results.get(timeout=timeout)
@@ -83,6 +86,8 @@ class StreamClient:
                 if piece and not out.ttft_s:
                     out.ttft_s = time.monotonic() - start
                 out.chunks.append(piece)
+                if on_chunk is not None:
+                    on_chunk(piece)
                 out.finish_reason = result.as_numpy(schema.FINISH_REASON.name).reshape(-1)[0].decode()
                 out.num_input_tokens = int(result.as_numpy(schema.NUM_INPUT_TOKENS.name).reshape(-1)[0])
                 out.num_output_tokens = int(result.as_numpy(schema.NUM_OUTPUT_TOKENS.name).reshape(-1)[0])
