@@ -1,0 +1,135 @@
+"""A proposer whose drafter runs elsewhere (a Triton proposal ensemble, called by BLS).
+
+The engine side keeps, per sequence, the target features it has committed (the history) and how
+many pairs the remote drafter holds. Each step sends only what the drafter lacks; if the drafter
+says it does not know a sequence (it was unloaded and loaded again, or restarted), the same step
+re-primes it by sending the whole history. If the call fails (the model is unloaded, not ready),
+the step raises ProposerError and the engine decodes those rows plainly; nothing is lost, since
+the history still holds every feature. Greedy drafts are point masses, so verification stays
+lossless for sampled requests as well.
+
+`call` performs one round trip: a dict of numpy inputs (DraftBatch fields) → a dict with
+`draft_tokens` [B, K], `accept_prob` [B, K] (optional) and `unknown` [B]. In Triton it wraps a
+BLS request to `eagle_proposal`; in tests it calls the ONNX runtime directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from specserve.proposers.base import Draft, DraftRequest, ProposerError, StepOutcome
+
+log = logging.getLogger("specserve.remote")
+
+Call = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+
+
+@dataclass
+class _History:
+    features: list[torch.Tensor] = field(default_factory=list)  # chunks of [n, D]
+    length: int = 0        # pairs whose features we hold
+    remote_valid: int = 0  # pairs the remote drafter holds (as far as we know)
+
+    def slice(self, start: int) -> torch.Tensor:
+        return torch.cat(self.features)[start:]
+
+
+class RemoteProposer:
+    needs_features = True
+
+    def __init__(self, name: str, call: Call, *, max_draft_len: int = 8, threshold: float | None = 0.3,
+                 release: Callable[[list[int]], None] | None = None):
+        self.name, self._call, self._release = name, call, release
+        self.max_draft_len, self.threshold = max_draft_len, threshold
+        self._seqs: dict[int, _History] = {}
+
+    def _batch(self, requests: list[DraftRequest], rows: list[int], *, reprime: bool) -> dict[str, np.ndarray]:
+        B = len(rows)
+        starts, counts, feats, nxt = [], [], [], []
+        for i in rows:
+            r, h = requests[i], self._seqs[requests[i].seq_id]
+            start = 0 if reprime else h.remote_valid
+            f = h.slice(start)  # [n, D]
+            committed = len(r.token_ids) - 1
+            starts.append(start)
+            counts.append(committed - start)
+            feats.append(f)
+            nxt.append(r.token_ids[start + 1: committed + 1])
+        T, D = max(counts), feats[0].shape[-1]
+        features = np.zeros((B, T, D), dtype=np.float32)
+        next_tokens = np.zeros((B, T), dtype=np.int64)
+        for b, (f, t) in enumerate(zip(feats, nxt)):
+            features[b, :len(t)] = f.float().numpy()
+            next_tokens[b, :len(t)] = t
+        return {"seq_ids": np.array([requests[i].seq_id for i in rows], dtype=np.int64),
+                "valid_from": np.array(starts, dtype=np.int64), "num_new": np.array(counts, dtype=np.int64),
+                "features": features, "next_tokens": next_tokens,
+                "max_draft_len": np.array([min(requests[i].max_draft_len, self.max_draft_len) for i in rows],
+                                          dtype=np.int64)}
+
+    def _round_trip(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        try:
+            return self._call(batch)
+        except ProposerError:
+            raise
+        except Exception as e:  # noqa: BLE001 — a failed remote call means "no draft this step"
+            raise ProposerError(f"{self.name}: remote drafter call failed: {e}") from e
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        for r in requests:
+            h = self._seqs.setdefault(r.seq_id, _History())
+            if r.features is not None and r.features.shape[0]:
+                h.features.append(r.features.detach().to("cpu"))
+                h.length += r.features.shape[0]
+            if h.length != len(r.token_ids) - 1:
+                raise ProposerError(f"{self.name}: sequence {r.seq_id} has {h.length} features for "
+                                    f"{len(r.token_ids) - 1} committed tokens")
+        rows = list(range(len(requests)))
+        out = self._round_trip(self._batch(requests, rows, reprime=False))
+        tokens, probs, unknown = out["draft_tokens"], out.get("accept_prob"), out["unknown"].astype(bool)
+        if unknown.any():
+            # The drafter lost these sequences (reloaded); re-prime them with their history now.
+            again = [i for i in rows if unknown[i]]
+            log.info("%s: re-priming %d sequence(s) on the remote drafter", self.name, len(again))
+            redo = self._round_trip(self._batch(requests, again, reprime=True))
+            if redo["unknown"].astype(bool).any():
+                raise ProposerError(f"{self.name}: remote drafter refused to re-prime sequences")
+            tokens, probs = tokens.copy(), None if probs is None else probs.copy()
+            K = min(tokens.shape[1], redo["draft_tokens"].shape[1])
+            for j, i in enumerate(again):
+                tokens[i] = -1
+                tokens[i, :K] = redo["draft_tokens"][j, :K]
+                if probs is not None:
+                    probs[i, :K] = redo["accept_prob"][j, :K]
+        drafts = []
+        for i, r in enumerate(requests):
+            self._seqs[r.seq_id].remote_valid = len(r.token_ids) - 1
+            drafts.append(Draft.chain(self._cut(tokens[i], None if probs is None else probs[i])))
+        return drafts
+
+    def _cut(self, tokens: np.ndarray, probs: np.ndarray | None) -> list[int]:
+        keep, cum = [], 1.0
+        for j, t in enumerate(tokens.tolist()):
+            if t < 0:
+                break
+            if probs is not None and self.threshold is not None:
+                cum *= float(probs[j])
+                if cum < self.threshold:
+                    break
+            keep.append(int(t))
+        return keep
+
+    def observe(self, outcomes: list[StepOutcome]) -> None:
+        pass  # the drafter only ever commits pairs built from true features
+
+    def release(self, seq_id: int) -> None:
+        if self._seqs.pop(seq_id, None) is not None and self._release is not None:
+            try:
+                self._release([seq_id])
+            except Exception as e:  # noqa: BLE001 — an unloaded drafter has no state to free
+                log.info("%s: release of sequence %d not delivered (%s)", self.name, seq_id, e)

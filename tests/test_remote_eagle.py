@@ -1,0 +1,130 @@
+"""Remote EAGLE (ONNX runtime + engine-side RemoteProposer), without a server: lossless, equal
+to the fused drafter's drafts, and unaffected by the drafter disappearing and coming back."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tiny_checkpoint
+from specserve.engine import Engine, EngineConfig, GenerationRequest
+from specserve.model import load_model
+from specserve.proposers.base import DraftRequest
+from specserve.proposers.eagle import EagleProposer
+from specserve.proposers.eagle_onnx import CalibrationOnnxRuntime, DraftBatch, EagleOnnxRuntime
+from specserve.proposers.remote import RemoteProposer
+from specserve.sampling import SamplingParams
+from test_eagle import PROMPTS, random_drafter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "export"))
+import export_onnx  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("t"), "llama", seed=21)
+    target = load_model(path)
+    drafter = random_drafter(target, seed=1)
+    report = export_onnx.export(target, drafter, tmp_path_factory.mktemp("onnx"))
+    return target, drafter, report
+
+
+class Drafter:
+    """What the Triton proposal ensemble does, in-process; `down` makes calls fail like an
+    unloaded model, and `reload()` brings back a fresh runtime (all sequence state lost)."""
+
+    def __init__(self, target, report):
+        self.target, self.report = target, report
+        self.down = False
+        self.reload()
+        self.calls = 0
+
+    def reload(self):
+        c = self.target.cfg
+        self.rt = EagleOnnxRuntime(str(self.report.backbone), c.num_kv_heads, c.head_dim)
+        self.cal = CalibrationOnnxRuntime(str(self.report.calibration))
+
+    def __call__(self, inputs):
+        self.calls += 1
+        if self.down:
+            raise RuntimeError("model 'eagle_proposal' is not ready")
+        res = self.rt.draft(DraftBatch(**inputs))
+        return {"draft_tokens": res.tokens, "accept_prob": self.cal.accept_prob(res.hidden, res.scalars),
+                "unknown": res.unknown}
+
+
+def make_engine(target, proposers):
+    return Engine(target, EngineConfig(max_num_seqs=4, max_model_len=256, max_draft_len=5), proposers,
+                  eos_token_ids=())
+
+
+def test_remote_drafts_equal_fused_drafts(setup):
+    target, drafter, report = setup
+    fused = EagleProposer(drafter, target, max_num_seqs=2, max_model_len=256, max_draft_len=5, threshold=None)
+    remote = RemoteProposer("eagle", Drafter(target, report), max_draft_len=5, threshold=None)
+    prompt = PROMPTS[0]
+    with torch.inference_mode():
+        feats = target.forward(_prefill(target, prompt), None).hidden[0]  # [T, D] prompt features
+    req = lambda: DraftRequest(7, prompt + [42], 5, SamplingParams(), None, feats)
+    a, b = fused.propose([req()]), remote.propose([req()])
+    assert a[0].tokens == b[0].tokens and len(a[0].tokens) == 5
+
+
+def _prefill(target, prompt):
+    from specserve.masks import build_mask, chain_parents
+    from specserve.model import ForwardBatch
+
+    T = len(prompt)
+    mask, pos = build_mask([0], [chain_parents(T)], T)
+    z = torch.zeros(1, dtype=torch.long)
+    return ForwardBatch(torch.tensor([prompt]), pos, z, z, mask)
+
+
+def test_remote_greedy_equals_plain_and_threshold_cuts(setup):
+    target, _, report = setup
+    remote = RemoteProposer("eagle", Drafter(target, report), max_draft_len=5, threshold=0.2)
+    engine = make_engine(target, {"eagle": remote})
+    reqs = lambda m: [GenerationRequest(f"{m}{i}", p, SamplingParams(max_tokens=16), m) for i, p in enumerate(PROMPTS)]
+    plain, spec = engine.generate(reqs("none")), engine.generate(reqs("eagle"))
+    for i in range(len(PROMPTS)):
+        assert spec[f"eagle{i}"].new_token_ids == plain[f"none{i}"].new_token_ids
+    assert not remote._seqs  # every sequence released
+
+
+def test_drafter_unload_and_reload_mid_stream_stays_lossless(setup):
+    target, _, report = setup
+    drafter = Drafter(target, report)
+    remote = RemoteProposer("eagle", drafter, max_draft_len=4, threshold=None,
+                            release=lambda ids: drafter.rt.release(ids))
+    engine = make_engine(target, {"eagle": remote})
+    reqs = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=24), "eagle") for i, p in enumerate(PROMPTS)]
+    want = make_engine(target, {}).generate(
+        [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=24), "none") for i, p in enumerate(PROMPTS)])
+    for r in reqs:
+        engine.submit(r)
+    got = {r.request_id: [] for r in reqs}
+    final = {}
+    step = 0
+    while engine.has_work():
+        step += 1
+        if step == 4:
+            drafter.down = True          # unloaded: calls fail
+        if step == 7:
+            drafter.down = False
+            drafter.reload()             # loaded again: sequence state is gone → re-prime
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+            if out.finished:
+                final[out.request_id] = out
+    for rid, out in want.items():
+        assert got[rid] == out.new_token_ids, rid
+        assert final[rid].finish_reason == "length"
+    stats = [final[r.request_id].stats for r in reqs]
+    assert all(s.proposer_errors == 3 for s in stats)
+    # After the reload every sequence drafted again (re-primed from the engine-side history).
+    # (3 failed steps and at most one final step with no room to draft)
+    assert all(s.drafts >= s.steps - 4 for s in stats)
+    assert set(drafter.rt.states) == set()  # released on the fresh runtime too
