@@ -1,0 +1,135 @@
+"""EAGLE on held-out prompts, greedy, one request at a time, every configuration measured
+alternately against `none` in one run (ratios never come from different runs).
+
+Configurations: `none`; EAGLE fused with the calibration head (adaptive length); EAGLE fused
+with a fixed draft length of 4 (no calibration); EAGLE remote (the exported ONNX drafter under
+onnxruntime, as the Triton drafter models run it, called in-process — so the difference to fused
+is the ONNX runtime path, not BLS).
+
+    python benchmarks/eagle_bench.py --target models/demo/target --drafter models/demo/eagle \
+        [--prompts 16] [--new-tokens 96] [--out F]
+
+Reports per configuration: mean acceptance length (accepted + 1 per step), draft tokens per
+step, verified tokens per step, decode tokens/s and the speedup over `none`, and where a step's
+time goes (target verify forward vs drafting) for the fused adaptive configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specserve.engine import Engine, EngineConfig, GenerationRequest
+from specserve.model import load_model
+from specserve.proposers.eagle import EagleProposer, load_eagle
+from specserve.proposers.eagle_onnx import CalibrationOnnxRuntime, DraftBatch, EagleOnnxRuntime
+from specserve.proposers.remote import RemoteProposer
+from specserve.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Tally:
+    seconds: float = 0.0
+    tokens: int = 0
+    steps: int = 0
+    accepted: int = 0
+    drafted: int = 0
+    outputs: list = field(default_factory=list)
+
+    def row(self, base: "Tally") -> dict:
+        tps = self.tokens / self.seconds
+        return {"tok_s": round(tps, 2), "speedup_vs_none": round(tps / (base.tokens / base.seconds), 3),
+                "mean_acceptance_length": round((self.accepted + self.steps) / max(1, self.steps), 3),
+                "draft_tokens_per_step": round(self.drafted / max(1, self.steps), 3),
+                "verified_tokens_per_step": round((self.drafted + self.steps) / max(1, self.steps), 3)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, default=ROOT / "models/demo/target")
+    ap.add_argument("--drafter", type=Path, default=ROOT / "models/demo/eagle")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--threshold", type=float, default=0.3)
+    ap.add_argument("--max-draft-len", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from tokenizers import Tokenizer
+
+    sys.path.insert(0, str(ROOT / "export"))
+    import export_onnx
+
+    target = load_model(args.target)
+    drafter = load_eagle(args.drafter, target)
+    tok = Tokenizer.from_file(str(args.target / "tokenizer.json"))
+    lines = (ROOT / "models/demo/heldout_prompts.jsonl").read_text().splitlines()[:args.prompts]
+    prompts = [tok.encode(json.loads(line)["prompt"]).ids for line in lines]
+    K, n = args.max_draft_len, args.new_tokens
+    max_len = 1024
+    onnx_dir = Path(tempfile.mkdtemp())
+    report = export_onnx.export(target, drafter, onnx_dir)
+    rt = EagleOnnxRuntime(str(report.backbone), target.cfg.num_kv_heads, target.cfg.head_dim)
+    cal = CalibrationOnnxRuntime(str(report.calibration))
+
+    def remote_call(inputs):
+        res = rt.draft(DraftBatch(**inputs))
+        return {"draft_tokens": res.tokens, "accept_prob": cal.accept_prob(res.hidden, res.scalars),
+                "unknown": res.unknown}
+
+    proposers = {
+        "eagle": EagleProposer(drafter, target, max_num_seqs=1, max_model_len=max_len, max_draft_len=K,
+                               threshold=args.threshold, name="eagle"),
+        "eagle_fixed4": EagleProposer(drafter, target, max_num_seqs=1, max_model_len=max_len, max_draft_len=4,
+                                      threshold=None, name="eagle_fixed4"),
+        "eagle_remote": RemoteProposer("eagle_remote", remote_call, max_draft_len=K, threshold=args.threshold,
+                                       release=rt.release),
+    }
+    engine = Engine(target, EngineConfig(max_num_seqs=1, max_model_len=max_len, max_draft_len=K), proposers)
+    methods = ["none", "eagle", "eagle_fixed4", "eagle_remote"]
+    tallies = {m: Tally() for m in methods}
+    # Warm-up (not timed).
+    engine.generate([GenerationRequest(f"w{m}", prompts[0], SamplingParams(max_tokens=4), m) for m in methods[:1]])
+    for i, p in enumerate(prompts):
+        for m in methods:  # alternate configurations prompt by prompt
+            t0 = time.perf_counter()
+            out = engine.generate([GenerationRequest(f"{m}{i}", p, SamplingParams(max_tokens=n), m)])[f"{m}{i}"]
+            dt = time.perf_counter() - t0
+            t = tallies[m]
+            t.seconds += dt
+            t.tokens += len(out.new_token_ids)
+            t.steps += out.stats.steps
+            t.accepted += out.stats.accepted_tokens
+            t.drafted += out.stats.draft_tokens
+            t.outputs.append(out.new_token_ids)
+    for m in methods[1:]:
+        if tallies[m].outputs != tallies["none"].outputs:
+            raise SystemExit(f"LOSSLESSNESS VIOLATED: {m} greedy output differs from none")
+    base = tallies["none"]
+    rows = {m: tallies[m].row(base) for m in methods}
+    result = {"target": str(args.target), "drafter": str(args.drafter), "prompts": len(prompts),
+              "new_tokens": n, "threshold": args.threshold, "max_draft_len": K, "threads": args.threads,
+              "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "configs": rows}
+    print("| config | tok/s | speedup vs none | mean acceptance length | draft tok/step | verified tok/step |")
+    print("|---|---|---|---|---|---|")
+    for m, r in rows.items():
+        print(f"| {m} | {r['tok_s']} | {r['speedup_vs_none']}× | {r['mean_acceptance_length']} | "
+              f"{r['draft_tokens_per_step']} | {r['verified_tokens_per_step']} |")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
