@@ -41,7 +41,7 @@ class TensorSpec:
 
 
 _NUMPY = {"STRING": np.object_, "BOOL": np.bool_, "INT64": np.int64, "INT32": np.int32,
-          "UINT32": np.uint32}
+          "UINT32": np.uint32, "FP32": np.float32}
 
 # -- the ensemble (what users call) --------------------------------------------------------------
 # Required, but declared optional: Triton 2.51's ensemble answers a request that lacks a required
@@ -93,3 +93,31 @@ TARGET_VERIFIER = ModelSpec("target_verifier",
 POSTPROCESS = ModelSpec("postprocess", (TOKEN_WINDOW, READ_OFFSET, FLUSH, RESPONSE_META), ENSEMBLE_OUTPUTS)
 ENSEMBLE = ModelSpec("llm", ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS)
 ENSEMBLE_STEPS = (PREPROCESS, TARGET_VERIFIER, POSTPROCESS)
+
+
+# -- remote drafters (hot-loadable; called by target_verifier through BLS) ---------------------------
+# eagle_proposal = ensemble(eagle_backbone → calibration_head). The engine sends, per row, the
+# sequence id, how many drafter pairs it believes the drafter holds, the new pairs (true target
+# features and the tokens that follow them) and the draft budget; it gets back greedy draft tokens
+# and each position's predicted acceptance probability. See specserve/proposers/eagle_onnx.py.
+SEQ_IDS = TensorSpec("seq_ids", "INT64", (-1,))
+VALID_FROM = TensorSpec("valid_from", "INT64", (-1,))
+NUM_NEW = TensorSpec("num_new", "INT64", (-1,))
+FEATURES = TensorSpec("features", "FP32", (-1, -1, -1))
+NEXT_TOKENS = TensorSpec("next_tokens", "INT64", (-1, -1))
+MAX_DRAFT_LEN = TensorSpec("max_draft_len", "INT64", (-1,))
+DRAFT_TOKENS = TensorSpec("draft_tokens", "INT64", (-1, -1))
+DRAFT_HIDDEN = TensorSpec("draft_hidden", "FP32", (-1, -1, -1))
+DRAFT_SCALARS = TensorSpec("draft_scalars", "FP32", (-1, -1, 3))
+UNKNOWN = TensorSpec("unknown", "BOOL", (-1,))
+ACCEPT_PROB = TensorSpec("accept_prob", "FP32", (-1, -1))
+RELEASE_IDS = TensorSpec("release_ids", "INT64", (-1,), optional=True)
+
+_DRAFT_IN = (SEQ_IDS, VALID_FROM, NUM_NEW, FEATURES, NEXT_TOKENS, MAX_DRAFT_LEN)
+# eagle_backbone also takes release_ids alone (the engine frees a finished sequence's state), so
+# its draft inputs are optional there and checked by the adapter.
+EAGLE_BACKBONE = ModelSpec("eagle_backbone", tuple(replace(t, optional=True) for t in _DRAFT_IN) + (RELEASE_IDS,),
+                           (DRAFT_TOKENS, DRAFT_HIDDEN, DRAFT_SCALARS, UNKNOWN))
+CALIBRATION_HEAD = ModelSpec("calibration_head", (DRAFT_HIDDEN, DRAFT_SCALARS), (ACCEPT_PROB,))
+EAGLE_PROPOSAL = ModelSpec("eagle_proposal", _DRAFT_IN, (DRAFT_TOKENS, ACCEPT_PROB, UNKNOWN))
+EAGLE_PROPOSAL_STEPS = (EAGLE_BACKBONE, CALIBRATION_HEAD)

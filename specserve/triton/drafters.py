@@ -1,0 +1,73 @@
+"""Operator commands for hot-loading drafters (Triton's model-control API, explicit mode).
+
+    specserve drafters list   [--url localhost:8001]
+    specserve drafters load   NAME [--url …]
+    specserve drafters unload NAME [--url …]
+
+Unloading a drafter never fails a request: the engine decodes the affected sequences plainly
+while it is gone and re-primes them when it is back (specserve/proposers/remote.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The models an operator may load / unload: remote proposal ensembles and their parts. The
+# engine (target_verifier) and the llm ensembles are not drafters and are refused.
+DRAFTER_MODELS = ("eagle_proposal", "eagle_backbone", "calibration_head")
+
+
+class DrafterError(RuntimeError):
+    pass
+
+
+@dataclass
+class ModelState:
+    name: str
+    version: str
+    state: str     # READY / UNAVAILABLE / LOADING …
+    reason: str
+
+
+def _client(url: str):
+    import tritonclient.grpc as grpcclient
+
+    return grpcclient.InferenceServerClient(url)
+
+
+def list_models(url: str) -> list[ModelState]:
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        index = _client(url).get_model_repository_index(as_json=True).get("models", [])
+    except InferenceServerException as e:
+        raise DrafterError(f"cannot reach Triton at {url}: {e.message()}") from None
+    return [ModelState(m["name"], m.get("version", ""), m.get("state", ""), m.get("reason", ""))
+            for m in index]
+
+
+def _check_name(name: str) -> None:
+    if name not in DRAFTER_MODELS:
+        raise DrafterError(f"{name!r} is not a drafter model; drafters: {', '.join(DRAFTER_MODELS)}")
+
+
+def load(url: str, name: str) -> None:
+    """Load (or reload, picking up a new version directory) a drafter model."""
+    from tritonclient.utils import InferenceServerException
+
+    _check_name(name)
+    try:
+        _client(url).load_model(name)
+    except InferenceServerException as e:
+        raise DrafterError(f"loading {name} failed: {e.message()}") from None
+
+
+def unload(url: str, name: str) -> None:
+    from tritonclient.utils import InferenceServerException
+
+    _check_name(name)
+    try:
+        # unload_dependents: unloading eagle_proposal also unloads its two composing models.
+        _client(url).unload_model(name, unload_dependents=True)
+    except InferenceServerException as e:
+        raise DrafterError(f"unloading {name} failed: {e.message()}") from None
