@@ -1,0 +1,106 @@
+"""`specserve serve` and `make demo`: clear errors before any server starts, and a real run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import make_tiny_checkpoint
+from specserve.cli import main
+from specserve.tiny import train_tiny_tokenizer
+from specserve.triton.launch import Ports
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli_ckpt")
+    train_tiny_tokenizer(path)
+    from tokenizers import Tokenizer
+    make_tiny_checkpoint(path, "qwen2", vocab_size=Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size())
+    return path
+
+
+def _serve(*args: str) -> int:
+    return main(["serve", *args])
+
+
+def test_missing_checkpoint_exits_2_with_a_message(tmp_path, capsys):
+    assert _serve("--target", str(tmp_path / "nope")) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_unsupported_architecture(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    assert _serve("--target", str(tmp_path)) == 2
+    assert "unsupported architecture" in capsys.readouterr().err
+
+
+def test_missing_tokenizer(tmp_path, capsys, ckpt):
+    for f in ckpt.iterdir():
+        if f.name != "tokenizer.json":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    assert _serve("--target", str(tmp_path)) == 2
+    assert "no tokenizer.json" in capsys.readouterr().err
+
+
+def test_model_length_above_the_model_limit(ckpt, capsys):
+    assert _serve("--target", str(ckpt), "--max-model-len", "100000") == 2
+    assert "--max-model-len 100000 must be in [1, 512]" in capsys.readouterr().err
+
+
+def test_port_in_use(ckpt, capsys):
+    free = Ports.free()
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert _serve("--target", str(ckpt), "--http-port", str(free.http), "--metrics-port", str(free.metrics),
+                      "--grpc-port", str(port)) == 2
+    assert f"port {port} is already in use" in capsys.readouterr().err
+
+
+@pytest.mark.triton
+def test_serve_runs_in_the_foreground_and_stops_on_sigterm(ckpt, tmp_path):
+    from specserve.triton.client import StreamClient
+
+    ports = Ports.free()
+    proc = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve", "--target", str(ckpt),
+                             "--http-port", str(ports.http), "--grpc-port", str(ports.grpc),
+                             "--metrics-port", str(ports.metrics), "--max-num-seqs", "2",
+                             "--work-dir", str(tmp_path / "work")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines, deadline = [], time.monotonic() + 120
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("specserve: ready") or time.monotonic() > deadline:
+                break
+        assert lines and lines[-1].startswith("specserve: ready"), "".join(lines[-20:])
+        endpoints = "".join(next(proc.stdout) for _ in range(3))
+        assert f"localhost:{ports.grpc}" in endpoints and f"localhost:{ports.metrics}/metrics" in endpoints
+        out = StreamClient(f"localhost:{ports.grpc}").generate("hello 世界", {"max_tokens": 5})
+        assert out.num_output_tokens == 5
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.triton
+def test_demo_streams_both_methods_and_stops(ckpt):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run([sys.executable, "-m", "specserve.demo", "--target", str(ckpt), "--max-tokens", "8"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "--- none:" in done.stdout and "--- ngram:" in done.stdout
+    assert "summary" in done.stdout and "tritonserver stopped." in done.stdout
