@@ -46,6 +46,7 @@ class EngineConfig:
     max_model_len: int = 2048       # prompt + output tokens of one sequence
     max_draft_len: int = 8          # drafted tokens (chain length or tree nodes) per step
     default_method: str = "none"
+    max_prefill_tokens: int = 4096  # padded tokens per prefill forward (bounds its memory)
 
 
 @dataclass
@@ -222,8 +223,8 @@ class Engine:
         outputs, self._aborted = self._aborted, []
         decoding = list(self._running)  # sequences admitted now decode from the next step
         admitted = self._admit()
-        if admitted:
-            self._prefill(admitted)
+        for group in _prefill_groups(admitted, self.cfg.max_prefill_tokens):
+            self._prefill(group)
         if decoding:
             self._decode(decoding)
         for seq in admitted + decoding:
@@ -378,6 +379,25 @@ class Engine:
                     out.new_token_ids = tokens[out.request_id]
                     final[out.request_id] = out
         return final
+
+
+def _prefill_groups(seqs: list[_Sequence], budget: int) -> list[list[_Sequence]]:
+    """Batch prompts of similar length: rows are padded to the longest in their forward, so a
+    group is closed when padding would exceed a quarter of its tokens or the budget. A prompt
+    longer than the budget gets a forward of its own."""
+    groups: list[list[_Sequence]] = []
+    group: list[_Sequence] = []
+    for s in sorted(seqs, key=lambda s: len(s.tokens)):
+        n = len(s.tokens)
+        real = sum(len(g.tokens) for g in group) + n
+        padded = n * (len(group) + 1)  # sorted ascending: n is the group's longest
+        if group and (padded > budget or padded > 1.25 * real):
+            groups.append(group)
+            group = []
+        group.append(s)
+    if group:
+        groups.append(group)
+    return groups
 
 
 def _truncate(draft: Draft, n: int) -> Draft:

@@ -243,3 +243,15 @@ def test_ngram_lookup_examples():
     assert lookup([1, 2, 3, 9, 2, 3, 7, 2, 3], max_n=2, min_n=1, k=2) == [7, 2]  # latest match
     assert lookup([1, 2, 3], max_n=3, min_n=1, k=4) == []
     assert lookup([5, 6, 5], max_n=3, min_n=1, k=4) == [6, 5]
+
+
+def test_prefill_groups_bound_padding_and_budget():
+    from specserve.engine import _prefill_groups
+
+    class S:
+        def __init__(self, n):
+            self.tokens = [0] * n
+
+    seqs = [S(n) for n in (100, 10, 12, 11, 95, 5000, 9)]
+    groups = [[len(s.tokens) for s in g] for g in _prefill_groups(seqs, budget=4096)]
+    assert groups == [[9, 10, 11, 12], [95, 100], [5000]]
