@@ -32,5 +32,12 @@ serve: install
 engine-bench: install
 	$(PY) benchmarks/engine_bench.py
 
+# Serving benchmark (specserve bench), quick mode sized for a small CPU: the demo model, or a small
+# random-weight one when the demo weights are absent (the report says which). Override the
+# arguments with BENCH_ARGS, e.g. make bench BENCH_ARGS="--url localhost:8001 --concurrency 1,4,8".
+BENCH_ARGS ?= --quick --out work_dirs/bench
+bench: install
+	$(VENV)/bin/specserve bench $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -129,6 +129,19 @@ def _serve(args: argparse.Namespace) -> int:
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_serve]
 
 
+# -- bench (specserve/bench/) ---------------------------------------------------------------------
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from specserve.bench.command import __doc__ as doc, add_arguments, run_cli
+    p = sub.add_parser("bench", help="serving benchmark: TTFT / TPOT / P99 / throughput per method, "
+                       "same-run ratios to plain decoding and to transformers", description=doc,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(run=run_cli)
+
+
+COMMANDS.append(_add_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
