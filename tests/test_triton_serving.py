@@ -86,8 +86,8 @@ def deployments(tmp_path_factory):
             d.server.wait_ready(180)
         yield deps
     finally:
-        for d in deps.values():
-            d.server.stop()
+        with ThreadPoolExecutor(len(deps)) as pool:  # shutdown unloads models: stop both at once
+            list(pool.map(lambda d: d.server.stop(), deps.values()))
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,16 @@
 """The target_verifier's request handling, free of Triton types so it can be tested directly.
 
-`execute()` hands each request here with two callables from its response sender: `send` (one
-`VerifierResponse`, or an error, with the final flag on the last) and `is_cancelled`. The engine
+`execute()` hands each request here with a `Sender` over its Triton response sender. The engine
 thread (EngineLoop) produces RequestOutputs; `_on_output` turns each into a response carrying a
-token window for the stateless postprocess (see detokenize.py). A watcher thread polls
-`is_cancelled` — asking the sender costs an IPC round trip, too much for every engine step — and
-cancels the request in the engine, which frees its KV slot at once.
+token window for the stateless postprocess (see detokenize.py), with the final flag on the last.
+
+Cancellation reaches the engine two ways, and both end in `engine.cancel`, which frees the KV slot
+at once and yields a final "abort" output, answered with a bare final flag:
+  * through the ensemble, postprocess notices the cancelled request and calls `cancel(id)` (by
+    BLS; Triton 2.51 does not flag the in-flight target_verifier request itself);
+  * for direct calls to target_verifier, a watcher thread polls the sender's `is_cancelled`
+    (an IPC round trip, too costly to ask on every engine step).
+A send that raises (client gone) cancels the request too.
 """
 
 from __future__ import annotations
@@ -86,7 +91,7 @@ class VerifierService:
         """Queue a request; raises RequestRejected (a ValueError) with a client-facing message."""
         try:
             params = SamplingParams(**{**config.sampling, "stop": tuple(config.sampling.get("stop", ()))})
-        except TypeError as e:  # preprocess already rejected unknown keys; this is a wiring bug
+        except TypeError as e:  # a direct caller of target_verifier skipped preprocess's checks
             raise RequestRejected(f"bad sampling parameters: {e}") from None
         rid = f"r{next(self._ids)}"
         req = GenerationRequest(rid, list(prompt_ids), params, config.spec_method)

@@ -51,6 +51,8 @@ class TritonPythonModel:
                     schema.FINISH_REASON: meta.finish_reason,
                     schema.SPEC_STATS: json.dumps(meta.spec_stats),
                 }))
-            except ValueError as e:
+            except ValueError as e:  # DetokenizeError, malformed tensors
                 responses.append(pb.error_response(str(e)))
+            except Exception as e:  # noqa: BLE001 — answer this request, keep the others
+                responses.append(pb.error_response(f"internal error in postprocess: {type(e).__name__}: {e}"))
         return responses

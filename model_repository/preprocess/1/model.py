@@ -21,4 +21,6 @@ class TritonPythonModel:
                                               schema.REQUEST_CONFIG: out.config.to_json()}))
             except ValueError as e:  # BadRequest and malformed tensors: the client's error
                 responses.append(pb.error_response(str(e)))
+            except Exception as e:  # noqa: BLE001 — answer this request, keep the others
+                responses.append(pb.error_response(f"internal error in preprocess: {type(e).__name__}: {e}"))
         return responses

@@ -65,6 +65,8 @@ class TritonPythonModel:
                 self.service.submit([int(t) for t in ids], RequestConfig.from_json(config), sender)
             except ValueError as e:  # RequestRejected and malformed tensors: the client's error
                 sender.send_error(str(e))
+            except Exception as e:  # noqa: BLE001 — every request must get its final response
+                sender.send_error(f"internal error in target_verifier: {type(e).__name__}: {e}")
         return None
 
     def finalize(self):
