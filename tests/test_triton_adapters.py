@@ -86,10 +86,27 @@ def test_split_character_is_held_back_until_complete(decode, ckpt):
     assert pieces == ["", "", "龘"]
 
 
-def test_streamed_pieces_concatenate_to_the_full_decode(decode, ckpt):
+def _byte_fallback_tokenizer():
+    """Llama-2 / Mistral style: metaspace, byte-fallback tokens, a decoder that strips the first space."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+
+    from specserve.tiny import CORPUS
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    special = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tok.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(vocab_size=600, special_tokens=special,
+                                                            show_progress=False))
+    return tok
+
+
+@pytest.mark.parametrize("style", ["byte-level", "byte-fallback"])
+def test_streamed_pieces_concatenate_to_the_full_decode(ckpt, style):
     """Random token streams (mostly invalid UTF-8) cut into random chunks, windows included."""
-    from specserve.triton.tokenizer import load_tokenizer
-    tok = load_tokenizer(ckpt)
+    from specserve.triton.tokenizer import load_tokenizer, make_decode
+    tok = load_tokenizer(ckpt) if style == "byte-level" else _byte_fallback_tokenizer()
+    decode = make_decode(tok)
     rng = random.Random(0)
     vocab = tok.get_vocab_size()
     for _ in range(1500):

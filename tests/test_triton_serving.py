@@ -127,6 +127,8 @@ def test_stream_false_returns_one_response_with_the_prompt(llama):
     assert got.text == PROMPTS[0] + want  # vLLM backend default: prompt included when not streaming
     excluded = llama.client().generate(PROMPTS[0], {"max_tokens": 8}, stream=False, exclude_input_in_output=True)
     assert excluded.text == want
+    streamed = llama.client().generate(PROMPTS[0], {"max_tokens": 8}, stream=True, exclude_input_in_output=False)
+    assert streamed.chunks[0].startswith(PROMPTS[0]) and streamed.text == PROMPTS[0] + want
 
 
 @pytest.mark.parametrize("method", ["none", "ngram"])
