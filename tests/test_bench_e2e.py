@@ -41,7 +41,7 @@ def run(tmp_path_factory):
     report = main(["--target", str(ckpt), "--quick", "--methods", "none,ngram,not_a_method",
                    "--num-requests", "6", "--output-range", "8,24", "--concurrency", "2",
                    "--request-rate", "4,8", "--open-loop-requests", "4", "--block-size", "3",
-                   "--peer-requests", "2", "--out", str(out)])
+                   "--peer-requests", "2", "--peer-threads", "1", "--out", str(out)])
     return report, out
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import shlex
 import shutil
 import sys
@@ -66,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run transformers generate / prompt lookup / assisted generation (default: on)")
     p.add_argument("--peer-requests", type=int, help="requests for the peer comparison (quick: %d, full: %d)"
                    % (QUICK["peer_requests"], FULL["peer_requests"]))
+    p.add_argument("--peer-threads", type=int, help="torch threads for the transformers peers (default: the "
+                   "OMP_NUM_THREADS a server started here gets, so both sides use the same)")
     p.add_argument("--draft-model", type=Path, help="a small causal LM for transformers' assisted generation")
     p.add_argument("--max-num-seqs", type=int, default=16, help="KV slots of a server started here")
     p.add_argument("--out", type=Path, default=Path("work_dirs/bench"), help="report folder (default: %(default)s)")
@@ -130,6 +133,7 @@ def run(args: argparse.Namespace) -> dict:
 
     server = work = None
     t_start = time.perf_counter()
+    machine = report_mod.machine()  # before the run: the load average says what else was running
     try:
         if args.url:
             url = args.url
@@ -174,9 +178,17 @@ def run(args: argparse.Namespace) -> dict:
         elif checkpoint is None:
             peers = {"status": "not run", "reason": "the served checkpoint is not on this machine (give --target)"}
         else:
-            log("bench: peers (transformers) at concurrency 1")
-            peers = peers_mod.run_peers(checkpoint, requests[: cfg["peer_requests"]], methods, driver,
-                                        draft_model=args.draft_model, log=log)
+            import torch
+
+            from specserve.triton.launch import server_env
+            threads = torch.get_num_threads()
+            torch.set_num_threads(args.peer_threads or int(server_env().get("OMP_NUM_THREADS", "1")))
+            log(f"bench: peers (transformers, {torch.get_num_threads()} torch threads) at concurrency 1")
+            try:
+                peers = peers_mod.run_peers(checkpoint, requests[: cfg["peer_requests"]], methods, driver,
+                                            draft_model=args.draft_model, log=log)
+            finally:
+                torch.set_num_threads(threads)
     finally:
         if server is not None:
             server.stop()
@@ -188,7 +200,7 @@ def run(args: argparse.Namespace) -> dict:
         "created_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": _command_line(args),
         "wall_s": time.perf_counter() - t_start,
-        "machine": report_mod.machine(),
+        "machine": {**machine, "load_average_1m_end": os.getloadavg()[0]},
         "model": {"path": str(checkpoint or args.url), "kind": kind, "max_model_len": max_len},
         "server": {"url": url, "started_by_bench": server is not None, "max_num_seqs": args.max_num_seqs},
         "workload": workload,

@@ -34,6 +34,7 @@ def machine() -> dict:
     except AttributeError:
         affinity = os.cpu_count()
     return {"cpu_model": cpu, "logical_cores": os.cpu_count(), "usable_cores": affinity,
+            "load_average_1m": os.getloadavg()[0],
             "platform": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
@@ -69,7 +70,8 @@ def markdown(report: dict) -> str:
     lines = [f"# specserve bench — {report['created_utc']}", "",
              f"- model: `{model['path']}` ({model['kind']})",
              f"- machine: {m['cpu_model']}, {m['usable_cores']} cores usable, torch {m['torch']}"
-             + (f", {m['cuda']}" if m.get("cuda") else " (CPU)"),
+             + (f", {m['cuda']}" if m.get("cuda") else " (CPU)")
+             + f"; load average {m['load_average_1m']:.1f} at the start, {m['load_average_1m_end']:.1f} at the end",
              f"- workload: {wl['num_requests']} requests, seed {wl['seed']}, outputs drawn from "
              f"{wl['output_range'][0]}–{wl['output_range'][1]} tokens; prompt mix "
              + ", ".join(f"{k} {b['count']} ({b['prompt_tokens_min']}–{b['prompt_tokens_max']} tok"
