@@ -214,6 +214,40 @@ def test_client_cancel_mid_stream_frees_the_slot(deployments):
     assert dep.client().generate("next", {"max_tokens": 4}).num_output_tokens == 4
 
 
+def test_direct_call_to_target_verifier_is_cancelled_by_the_watcher(deployments):
+    """Called without the ensemble, the verifier sees the cancel itself (is_cancelled polling)."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    from specserve.triton import schema
+    from specserve.triton.params import RequestConfig
+    dep = deployments["qwen2"]
+    before = dep.metrics()
+    client = grpcclient.InferenceServerClient(dep.server.grpc_url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    ids = grpcclient.InferInput(schema.INPUT_IDS.name, [3], "INT64")
+    ids.set_data_from_numpy(np.array([5, 6, 7], dtype=np.int64))
+    cfg = grpcclient.InferInput(schema.REQUEST_CONFIG.name, [1], "BYTES")
+    cfg.set_data_from_numpy(np.array([RequestConfig(sampling={"max_tokens": 1900}, stream=True).to_json()], dtype=object))
+    client.async_stream_infer(schema.TARGET_VERIFIER.name, [ids, cfg])
+    assert results.get(timeout=60)[1] is None
+    client.stop_stream(cancel_requests=True)
+    key = 'specserve_request_success_total{finished_reason="abort",method="none",tier="default"}'
+    deadline = time.monotonic() + 20
+    while dep.metrics().get(key, 0) <= before.get(key, 0):
+        assert time.monotonic() < deadline, "the direct request was not cancelled"
+        time.sleep(0.2)
+
+    # Without inputs it answers with an error, not a hang.
+    results = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    client.async_stream_infer(schema.TARGET_VERIFIER.name, [])
+    result, error = results.get(timeout=30)
+    assert error is not None and "needs input_ids and request_config" in str(error)
+    client.stop_stream()
+
+
 def test_metrics_counters_move(llama):
     before = llama.metrics()
     # A repetitive prompt gives n-gram lookup something to draft.

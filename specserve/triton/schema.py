@@ -81,9 +81,6 @@ class ModelSpec:
     outputs: tuple[TensorSpec, ...]
     decoupled: bool = False
 
-    def input(self, name: str) -> TensorSpec:
-        return next(t for t in self.inputs if t.name == name)
-
 
 PREPROCESS = ModelSpec("preprocess", ENSEMBLE_INPUTS, (INPUT_IDS, REQUEST_CONFIG))
 TARGET_VERIFIER = ModelSpec("target_verifier",

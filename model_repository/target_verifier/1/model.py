@@ -15,6 +15,8 @@ from specserve.triton.params import RequestConfig
 from specserve.triton.service import VerifierResponse, VerifierService
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# This model's own input specs: input_ids / request_config are optional here (see schema.py).
+INPUT_IDS, REQUEST_CONFIG, CANCEL_REQUEST_ID = schema.TARGET_VERIFIER.inputs
 
 
 class _Sender:
@@ -53,13 +55,13 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = _Sender(request)
-            cancel = pb.input_scalar(request, schema.CANCEL_REQUEST_ID)
-            if cancel is not None:  # from postprocess: the client of that request has gone
-                self.service.cancel(cancel.decode("utf-8"))
-                sender.close()
-                continue
             try:
-                ids, config = pb.input_array(request, schema.INPUT_IDS), pb.input_scalar(request, schema.REQUEST_CONFIG)
+                cancel = pb.input_scalar(request, CANCEL_REQUEST_ID)
+                if cancel is not None:  # from postprocess: the client of that request has gone
+                    self.service.cancel(cancel.decode("utf-8"))
+                    sender.close()
+                    continue
+                ids, config = pb.input_array(request, INPUT_IDS), pb.input_scalar(request, REQUEST_CONFIG)
                 if ids is None or config is None:
                     raise ValueError("target_verifier needs input_ids and request_config (or cancel_request_id)")
                 self.service.submit([int(t) for t in ids], RequestConfig.from_json(config), sender)
