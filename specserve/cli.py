@@ -54,7 +54,6 @@ def check_checkpoint(target: Path, max_model_len: int | None) -> int:
     """Fail fast, before starting a server, on a checkpoint the engine cannot serve.
     Returns the max_model_len to use."""
     from specserve.model import CheckpointError, load_config
-    from specserve.triton.factory import PROPOSERS  # noqa: F401 — importable proposers
     from specserve.triton.tokenizer import TokenizerError, load_tokenizer
 
     try:

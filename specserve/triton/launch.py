@@ -92,12 +92,6 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass(frozen=True)
 class Ports:
     http: int
