@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import queue
 import re
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -212,6 +214,34 @@ def test_client_cancel_mid_stream_frees_the_slot(deployments):
     gen = 'specserve_generation_tokens_total{method="none",tier="default"}'
     assert now[gen] - before.get(gen, 0) < 1900
     assert dep.client().generate("next", {"max_tokens": 4}).num_output_tokens == 4
+
+
+DISCONNECTING_CLIENT = """
+import os, queue, sys
+import tritonclient.grpc as grpcclient
+from specserve.triton.client import build_inputs
+client = grpcclient.InferenceServerClient(sys.argv[1])
+results = queue.Queue()
+client.start_stream(callback=lambda result, error: results.put((result, error)))
+client.async_stream_infer("llm", build_inputs("disconnect me", {"max_tokens": 1900}))
+results.get(timeout=60)
+print("got a response", flush=True)
+os._exit(0)  # vanish mid-stream: no cancel, no stream close
+"""
+
+
+def test_client_that_disconnects_mid_stream_frees_the_slot(deployments):
+    dep = deployments["qwen2"]
+    key = 'specserve_request_success_total{finished_reason="abort",method="none",tier="default"}'
+    before = dep.metrics()
+    done = subprocess.run([sys.executable, "-c", DISCONNECTING_CLIENT, dep.server.grpc_url],
+                          capture_output=True, text=True, timeout=120)
+    assert "got a response" in done.stdout, done.stderr
+    deadline = time.monotonic() + 20
+    while not (dep.metrics().get(key, 0) > before.get(key, 0)
+               and dep.metrics().get("specserve_num_requests_running") == 0):
+        assert time.monotonic() < deadline, "the disconnected client's request still runs"
+        time.sleep(0.2)
 
 
 def test_direct_call_to_target_verifier_is_cancelled_by_the_watcher(deployments):
