@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import queue
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -241,6 +242,23 @@ def test_client_that_disconnects_mid_stream_frees_the_slot(deployments):
     while not (dep.metrics().get(key, 0) > before.get(key, 0)
                and dep.metrics().get("specserve_num_requests_running") == 0):
         assert time.monotonic() < deadline, "the disconnected client's request still runs"
+        time.sleep(0.2)
+
+
+def test_http_stream_client_that_disconnects_frees_the_slot(deployments):
+    dep = deployments["qwen2"]
+    key = 'specserve_request_success_total{finished_reason="abort",method="none",tier="default"}'
+    before = dep.metrics()
+    body = json.dumps({"text_input": "hi", "stream": True,
+                       "sampling_parameters": json.dumps({"max_tokens": 1900})}).encode()
+    with socket.create_connection(("localhost", dep.server.ports.http), timeout=60) as conn:
+        conn.sendall(b"POST /v2/models/llm/generate_stream HTTP/1.1\r\nHost: localhost\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        assert b"data:" in conn.recv(4096)  # the first event arrived; now hang up
+    deadline = time.monotonic() + 20
+    while not (dep.metrics().get(key, 0) > before.get(key, 0)
+               and dep.metrics().get("specserve_num_requests_running") == 0):
+        assert time.monotonic() < deadline, "the disconnected HTTP client's request still runs"
         time.sleep(0.2)
 
 
