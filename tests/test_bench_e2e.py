@@ -36,7 +36,7 @@ def numbers(obj, path=""):
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
     # No EOS: every request runs to its budget, so each has several streamed responses.
-    ckpt = random_checkpoint(root / "ckpt", hidden=64, layers=2, max_len=512)
+    ckpt = random_checkpoint(root / "ckpt", hidden=64, layers=2, heads=4, kv_heads=2, max_len=512)
     out = root / "out"
     report = main(["--target", str(ckpt), "--quick", "--methods", "none,ngram,not_a_method",
                    "--num-requests", "6", "--output-range", "8,24", "--concurrency", "2",

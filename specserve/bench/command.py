@@ -23,8 +23,8 @@ from pathlib import Path
 from specserve.bench.fallback import DEMO_TARGET, has_weights, random_checkpoint
 
 # --quick: sized for a 2-core CPU shared with other work, so `make bench` ends within ~15 min.
-QUICK = {"num_requests": 20, "output_range": "32,128", "concurrency": "4", "request_rate": "0.5,1.5",
-         "open_loop_requests": 10, "block_size": 8, "peer_requests": 3}
+QUICK = {"num_requests": 20, "output_range": "32,256", "concurrency": "4", "request_rate": "0.5,1.5",
+         "open_loop_requests": 10, "block_size": 10, "peer_requests": 3}
 FULL = {"num_requests": 100, "output_range": "32,512", "concurrency": "1,4,8", "request_rate": "0.5,1,2,4",
         "open_loop_requests": 0, "block_size": 16, "peer_requests": 10}
 
@@ -42,8 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--url", help="gRPC address of a running server (host:port)")
     where.add_argument("--target", type=Path,
                        help="checkpoint to serve with a server started here (default: the demo model)")
-    p.add_argument("--tokenizer", type=Path, help="checkpoint folder whose tokenizer.json sizes prompts "
-                   "(default: --target, or the demo model with --url)")
+    p.add_argument("--model", default="llm", help="the ensemble to call: `llm`, or a tier's `llm_<tier>` "
+                   "(default: %(default)s)")
+    p.add_argument("--tokenizer", type=Path, help="checkpoint folder whose tokenizer.json sizes prompts; with "
+                   "--url also the weights the peers load (default: --target, or the demo model)")
     p.add_argument("--max-model-len", type=int, help="the server's model length (default: the checkpoint's, ≤ 2048)")
     p.add_argument("--methods", default="none,ngram,eagle",
                    help="comma-separated; a method the server does not offer is skipped and reported (default: %(default)s)")
@@ -68,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-requests", type=int, help="requests for the peer comparison (quick: %d, full: %d)"
                    % (QUICK["peer_requests"], FULL["peer_requests"]))
     p.add_argument("--peer-threads", type=int, help="torch threads for the transformers peers (default: the "
-                   "OMP_NUM_THREADS a server started here gets, so both sides use the same)")
+                   "faster, measured here, of 1 and the OMP_NUM_THREADS a server started here gets)")
     p.add_argument("--draft-model", type=Path, help="a small causal LM for transformers' assisted generation")
     p.add_argument("--max-num-seqs", type=int, default=16, help="KV slots of a server started here")
     p.add_argument("--out", type=Path, default=Path("work_dirs/bench"), help="report folder (default: %(default)s)")
@@ -96,10 +98,10 @@ def _model(args: argparse.Namespace, notes: list[str]) -> tuple[Path | None, str
         return args.target, kind
     if has_weights(DEMO_TARGET):
         return DEMO_TARGET, "demo model"
-    path = random_checkpoint(Path(tempfile.gettempdir()) / "specserve-bench-random")
-    notes.append(f"The demo model's weights are not in {DEMO_TARGET}; this run used a small random-weight "
-                 "Llama (4 layers, hidden 256) with the demo tokenizer: speed figures are real, acceptance "
-                 "figures say nothing about a trained model.")
+    path = random_checkpoint(Path(tempfile.gettempdir()) / "specserve-bench-random-demo-shape")
+    notes.append(f"The demo model's weights are not in {DEMO_TARGET}; this run used a random-weight Llama "
+                 "of the demo model's shape (18 layers, hidden 384) with the demo tokenizer: speed figures "
+                 "are real, acceptance figures say nothing about a trained model.")
     return path, "random weights (demo model absent)"
 
 
@@ -149,7 +151,7 @@ def run(args: argparse.Namespace) -> dict:
             server.start()
             server.wait_ready(300)
             url = server.grpc_url
-        driver = StreamDriver(url)
+        driver = StreamDriver(url, model=args.model)
         skipped = {}
         for m in list(methods):
             reason = driver.probe(m)
@@ -166,12 +168,12 @@ def run(args: argparse.Namespace) -> dict:
         for c in cfg["concurrency"]:
             log(f"bench: closed loop, concurrency {c}")
             phases.append(run_phase(driver, f"closed_c{c}", requests, methods, concurrency=c,
-                                    block_size=cfg["block_size"], seed=args.seed, log=log))
+                                    block_size=cfg["block_size"], seed=args.seed, rotation=len(phases), log=log))
         open_reqs = requests[: cfg["open_loop_requests"] or len(requests)]
         for rate in cfg["request_rate"]:
             log(f"bench: open loop, {rate:g} requests/s (Poisson), {len(open_reqs)} requests")
             phases.append(run_phase(driver, f"open_{rate:g}rps", open_reqs, methods, request_rate=rate,
-                                    block_size=cfg["block_size"], seed=args.seed, log=log))
+                                    block_size=cfg["block_size"], seed=args.seed, rotation=len(phases), log=log))
 
         if not args.peers:
             peers = {"status": "not run", "reason": "--no-peers"}
@@ -182,11 +184,12 @@ def run(args: argparse.Namespace) -> dict:
 
             from specserve.triton.launch import server_env
             threads = torch.get_num_threads()
-            torch.set_num_threads(args.peer_threads or int(server_env().get("OMP_NUM_THREADS", "1")))
-            log(f"bench: peers (transformers, {torch.get_num_threads()} torch threads) at concurrency 1")
+            server_threads = int(server_env().get("OMP_NUM_THREADS", "1"))
+            candidates = [args.peer_threads] if args.peer_threads else [1, server_threads]
+            log("bench: peers (transformers) at concurrency 1")
             try:
                 peers = peers_mod.run_peers(checkpoint, requests[: cfg["peer_requests"]], methods, driver,
-                                            draft_model=args.draft_model, log=log)
+                                            draft_model=args.draft_model, thread_candidates=candidates, log=log)
             finally:
                 torch.set_num_threads(threads)
     finally:
@@ -202,7 +205,7 @@ def run(args: argparse.Namespace) -> dict:
         "wall_s": time.perf_counter() - t_start,
         "machine": {**machine, "load_average_1m_end": os.getloadavg()[0]},
         "model": {"path": str(checkpoint or args.url), "kind": kind, "max_model_len": max_len},
-        "server": {"url": url, "started_by_bench": server is not None, "max_num_seqs": args.max_num_seqs},
+        "server": {"url": url, "model": args.model, "started_by_bench": server is not None, "max_num_seqs": args.max_num_seqs},
         "workload": workload,
         "methods": {"requested": [m.strip() for m in args.methods.split(",") if m.strip()], "run": methods,
                     "skipped": skipped},

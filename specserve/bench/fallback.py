@@ -29,8 +29,11 @@ def _tokenizer(out: Path) -> None:
         train_tiny_tokenizer(out)
 
 
-def random_checkpoint(out: Path, *, hidden: int = 256, layers: int = 4, max_len: int = 2048, seed: int = 0) -> Path:
-    """A random Llama with a real tokenizer under `out` (reused if already there)."""
+def random_checkpoint(out: Path, *, hidden: int = 384, layers: int = 18, heads: int = 6, kv_heads: int = 2,
+                      max_len: int = 2048, seed: int = 0) -> Path:
+    """A random Llama with a real tokenizer under `out` (reused if already there). The default
+    shape is the demo model's (as benchmarks/engine_bench.py makes it), so speed figures are at
+    the demo's scale."""
     import torch
     import transformers
     from tokenizers import Tokenizer
@@ -42,8 +45,8 @@ def random_checkpoint(out: Path, *, hidden: int = 256, layers: int = 4, max_len:
     _tokenizer(out)
     vocab = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size()
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                                   num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                                   num_key_value_heads=max(1, hidden // 128), max_position_embeddings=max_len,
+                                   num_hidden_layers=layers, num_attention_heads=heads,
+                                   num_key_value_heads=kv_heads, max_position_embeddings=max_len,
                                    tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg)

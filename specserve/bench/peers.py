@@ -46,8 +46,27 @@ def _hf_runner(model, tokenizer, extra: dict) -> Callable[[WorkloadRequest], tup
     return run
 
 
+def calibrate_threads(run: Callable[[WorkloadRequest], tuple[int, float, str]], probe: WorkloadRequest,
+                      candidates: list[int]) -> tuple[int, dict[int, float]]:
+    """The torch thread count at which transformers decodes fastest here. On a small CPU shared
+    with other work, more threads can be far slower (each of generate's many small ops waits for
+    a descheduled sibling thread), so the peers get the better of the candidates: it favours
+    them, which keeps any specserve advantage conservative."""
+    import torch
+
+    seconds_per_token = {}
+    for n in candidates:
+        torch.set_num_threads(n)
+        run(probe)  # warm
+        tokens, dt, _ = run(probe)
+        seconds_per_token[n] = dt / max(1, tokens)
+    best = min(seconds_per_token, key=seconds_per_token.get)
+    torch.set_num_threads(best)
+    return best, seconds_per_token
+
+
 def run_peers(checkpoint: Path, requests: list[WorkloadRequest], spec_methods: list[str], driver: StreamDriver,
-              *, draft_model: Path | None = None, log=print) -> dict:
+              *, draft_model: Path | None = None, thread_candidates: list[int] = (1,), log=print) -> dict:
     import torch
     import transformers
 
@@ -55,6 +74,11 @@ def run_peers(checkpoint: Path, requests: list[WorkloadRequest], spec_methods: l
 
     tokenizer = load_tokenizer(checkpoint)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    probe = WorkloadRequest(-1, "calibration", requests[0].prompt, requests[0].num_prompt_tokens, 16)
+    threads, calibration = calibrate_threads(_hf_runner(model, tokenizer, {}), probe,
+                                             sorted(set(thread_candidates)))
+    log(f"  peers: transformers at {threads} torch thread(s) (seconds per token: "
+        + ", ".join(f"{n} threads {t:.3f}" for n, t in calibration.items()) + ")")
     systems: dict[str, Callable[[WorkloadRequest], tuple[int, float, str]]] = {
         "hf_generate": _hf_runner(model, tokenizer, {}),
         "hf_prompt_lookup": _hf_runner(model, tokenizer, dict(HF_NGRAM)),
@@ -111,5 +135,6 @@ def run_peers(checkpoint: Path, requests: list[WorkloadRequest], spec_methods: l
     for name, reason in not_run.items():
         out[name] = {"status": "not run", "reason": reason}
     return {"status": "run", "concurrency": 1, "num_requests": len(requests), "specserve_best": best,
-            "torch_threads": torch.get_num_threads(), "hf_prompt_lookup_settings": HF_NGRAM,
+            "torch_threads": threads, "thread_calibration_s_per_token": {str(k): v for k, v in calibration.items()},
+            "hf_prompt_lookup_settings": HF_NGRAM,
             "draft_model": str(draft_model) if draft_model else None, "systems": out}

@@ -68,7 +68,8 @@ def _d(dist: dict | None, stat: str, scale: float = 1.0, digits: int = 1) -> str
 def markdown(report: dict) -> str:
     m, model, wl = report["machine"], report["model"], report["workload"]
     lines = [f"# specserve bench — {report['created_utc']}", "",
-             f"- model: `{model['path']}` ({model['kind']})",
+             f"- model: `{model['path']}` ({model['kind']}), served by tritonserver as ensemble "
+             f"`{report['server']['model']}`, max_model_len {model['max_model_len']}",
              f"- machine: {m['cpu_model']}, {m['usable_cores']} cores usable, torch {m['torch']}"
              + (f", {m['cuda']}" if m.get("cuda") else " (CPU)")
              + f"; load average {m['load_average_1m']:.1f} at the start, {m['load_average_1m_end']:.1f} at the end",

@@ -156,14 +156,15 @@ def open_loop(driver: StreamDriver, requests: list[WorkloadRequest], method: str
 
 def run_phase(driver: StreamDriver, name: str, requests: list[WorkloadRequest], methods: list[str], *,
               concurrency: int | None = None, request_rate: float | None = None, block_size: int,
-              seed: int = 0, log=print) -> PhaseResult:
-    """One phase, methods interleaved block by block (see the module docstring)."""
+              seed: int = 0, rotation: int = 0, log=print) -> PhaseResult:
+    """One phase, methods interleaved block by block (see the module docstring). `rotation` shifts
+    the first block's order, so phases of one block each still alternate which method goes first."""
     if (concurrency is None) == (request_rate is None):
         raise ValueError("a phase is either closed-loop (concurrency) or open-loop (request_rate)")
     res = PhaseResult(name, "closed" if concurrency else "open", concurrency, request_rate,
                       {m: [] for m in methods}, {m: [] for m in methods})
     for b, block in enumerate(blocks(requests, block_size)):
-        order = rotate(methods, b)
+        order = rotate(methods, b + rotation)
         res.order.append(order)
         for method in order:
             if concurrency is not None:
