@@ -225,9 +225,9 @@ def test_service_rejects_with_a_message_and_cancels(service):
     sender = FakeSender(delay=0.02)  # 240 tokens take ~5 s, far longer than the watcher's poll
     sender.cancelled = True  # the client is gone already: the watcher cancels in the engine
     service.submit([1, 2, 3], RequestConfig(sampling={"max_tokens": 240}, stream=True), sender)
-    assert sender.done.wait(10) and sender.closed
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 10
     while service.num_live and time.monotonic() < deadline:
         time.sleep(0.05)
     assert service.num_live == 0 and service.engine.num_free_slots == 4
-    assert len(sender.responses) < 240
+    # Triton still needs the final flag of a cancelled request: a bare one, sent once.
+    assert sender.closed and len(sender.responses) < 240 and not sender.errors

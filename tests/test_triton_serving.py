@@ -67,6 +67,17 @@ class Deployment:
         return {m.group(1): float(m.group(2))
                 for m in re.finditer(r"^(specserve_\S+) (\S+)$", text, re.MULTILINE)}
 
+    def settled_metrics(self, timeout: float = 10.0) -> dict[str, float]:
+        """Metrics once two scrapes 0.3 s apart agree (reports are queued in the server)."""
+        prev, deadline = self.metrics(), time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            time.sleep(0.3)
+            now = self.metrics()
+            if now == prev:
+                return now
+            prev = now
+        raise AssertionError("metrics kept changing")
+
     def hf_greedy(self, prompt: str, max_tokens: int) -> tuple[str, int]:
         import transformers
         if self._hf is None:
@@ -254,7 +265,11 @@ def test_http_stream_client_that_disconnects_frees_the_slot(deployments):
     with socket.create_connection(("localhost", dep.server.ports.http), timeout=60) as conn:
         conn.sendall(b"POST /v2/models/llm/generate_stream HTTP/1.1\r\nHost: localhost\r\n"
                      b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-        assert b"data:" in conn.recv(4096)  # the first event arrived; now hang up
+        received = b""
+        while b"data:" not in received:  # wait for the first event, then hang up
+            chunk = conn.recv(4096)
+            assert chunk, "the server closed the stream before any event"
+            received += chunk
     deadline = time.monotonic() + 20
     while not (dep.metrics().get(key, 0) > before.get(key, 0)
                and dep.metrics().get("specserve_num_requests_running") == 0):
@@ -297,16 +312,15 @@ def test_direct_call_to_target_verifier_is_cancelled_by_the_watcher(deployments)
 
 
 def test_metrics_counters_move(llama):
-    before = llama.metrics()
+    before = llama.settled_metrics()  # earlier tests' reports may still be in flight
     # A repetitive prompt gives n-gram lookup something to draft.
     got = llama.client().generate("a b c a b c a b c a b c a b", {"max_tokens": 32, "spec_method": "ngram"})
     labels = '{method="ngram",tier="default"}'
+    # Metrics are reported from a worker thread, in order; the TPOT histogram comes last.
+    last = "specserve_time_per_output_token_seconds_count" + labels
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # metrics are reported from a worker thread
-        after = llama.metrics()
-        if after.get(f"specserve_request_success_total{{finished_reason=\"{got.finish_reason}\",method=\"ngram\",tier=\"default\"}}", 0) > \
-                before.get(f"specserve_request_success_total{{finished_reason=\"{got.finish_reason}\",method=\"ngram\",tier=\"default\"}}", 0):
-            break
+    while (after := llama.metrics()).get(last, 0) <= before.get(last, 0):
+        assert time.monotonic() < deadline, "metrics did not move"
         time.sleep(0.2)
 
     def moved(name):

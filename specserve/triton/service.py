@@ -71,6 +71,18 @@ class _Stream:
     # Cumulative SpecStats already reported to metrics, so each output reports only its delta.
     reported: tuple[int, int, int] = (0, 0, 0)
     reported_per_position: list[int] = field(default_factory=list)
+    # Once the final flag is out, Triton frees the request's response factory, and touching the
+    # sender again (even is_cancelled) crashes tritonserver 2.51 (use after free). `done` records
+    # that, under `lock`, which every final send and every is_cancelled call holds.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: bool = False
+
+    def final(self, send: Callable, *args) -> None:
+        """Send the final response (or flag) once; later attempts are no-ops."""
+        with self.lock:
+            if not self.done:
+                self.done = True
+                _quietly(send, *args)
 
 
 class VerifierService:
@@ -123,7 +135,7 @@ class VerifierService:
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}
         for s in streams:
-            _quietly(s.sender.send_error, "the server is shutting down")
+            s.final(s.sender.send_error, "the server is shutting down")
 
     # -- outputs out (engine thread) -------------------------------------------------------------
     def _on_output(self, out: RequestOutput) -> None:
@@ -144,7 +156,7 @@ class VerifierService:
             # Cancelled by the client (or by us when a send failed): nobody reads the stream any
             # more, but Triton still needs the final flag to retire the request. A bare flag,
             # not an error response: an error from a step leaves the ensemble request in flight.
-            _quietly(s.sender.close)
+            s.final(s.sender.close)
             self._report_finish(s, out, now)
             return
         if not (s.config.stream or out.finished):
@@ -153,20 +165,25 @@ class VerifierService:
         s.num_sent = len(s.tokens)
         meta = ResponseMeta(s.request_id, out.num_prompt_tokens, out.num_output_tokens, out.finish_reason or "",
                             out.stats.to_dict())
+        response = VerifierResponse(window, meta, final=out.finished)
+        if out.finished:
+            s.final(s.sender.send, response)
+            self._report_finish(s, out, now)
+            return
         try:
-            s.sender.send(VerifierResponse(window, meta, final=out.finished))
+            with s.lock:
+                if s.done:  # the backend already completed it (a cancel seen by is_cancelled)
+                    return
+                s.sender.send(response)
         except Exception as e:  # noqa: BLE001 — the client went away; free the slot
             log.info("request %s: send failed (%s); cancelling it", s.request_id, e)
-            if not out.finished:
-                self.loop.cancel(s.request_id)  # its abort output then ends the stream
-        if out.finished:
-            self._report_finish(s, out, now)
+            self.loop.cancel(s.request_id)  # its abort output then ends the stream
 
     def _on_failure(self, request_id: str, error: BaseException) -> None:
         with self._lock:
             s = self._streams.pop(request_id, None)
         if s is not None:
-            _quietly(s.sender.send_error, f"the engine failed while running this request: {error}")
+            s.final(s.sender.send_error, f"the engine failed while running this request: {error}")
             self._report_running()
 
     # -- cancellation ----------------------------------------------------------------------------
@@ -175,10 +192,13 @@ class VerifierService:
             with self._lock:
                 streams = list(self._streams.values())
             for s in streams:
-                try:
-                    cancelled = s.sender.is_cancelled()
-                except Exception:  # noqa: BLE001 — a sender that cannot answer has lost its client
-                    cancelled = True
+                with s.lock:
+                    if s.done:
+                        continue
+                    try:
+                        cancelled = s.sender.is_cancelled()
+                    except Exception:  # noqa: BLE001 — a sender that cannot answer has lost its client
+                        cancelled = True
                 if cancelled:
                     self.loop.cancel(s.request_id)
 
