@@ -23,7 +23,7 @@ from pathlib import Path
 from specserve.bench.fallback import DEMO_TARGET, has_weights, random_checkpoint
 
 # --quick: sized for a 2-core CPU shared with other work, so `make bench` ends within ~15 min.
-QUICK = {"num_requests": 20, "output_range": "32,256", "concurrency": "4", "request_rate": "0.5,1.5",
+QUICK = {"num_requests": 20, "output_range": "32,256", "concurrency": "4", "request_rate": "0.2,0.6",
          "open_loop_requests": 10, "block_size": 10, "peer_requests": 3}
 FULL = {"num_requests": 100, "output_range": "32,512", "concurrency": "1,4,8", "request_rate": "0.5,1,2,4",
         "open_loop_requests": 0, "block_size": 16, "peer_requests": 10}
