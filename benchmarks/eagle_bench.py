@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ import torch
 from specserve.engine import Engine, EngineConfig, GenerationRequest
 from specserve.model import load_model
 from specserve.proposers.eagle import EagleProposer, load_eagle
+from specserve.proposers.eagle_export import export
 from specserve.proposers.eagle_onnx import CalibrationOnnxRuntime, DraftBatch, EagleOnnxRuntime
 from specserve.proposers.remote import RemoteProposer
 from specserve.sampling import SamplingParams
@@ -68,9 +68,6 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     from tokenizers import Tokenizer
 
-    sys.path.insert(0, str(ROOT / "export"))
-    import export_onnx
-
     target = load_model(args.target)
     drafter = load_eagle(args.drafter, target)
     tok = Tokenizer.from_file(str(args.target / "tokenizer.json"))
@@ -79,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     K, n = args.max_draft_len, args.new_tokens
     max_len = 1024
     onnx_dir = Path(tempfile.mkdtemp())
-    report = export_onnx.export(target, drafter, onnx_dir)
+    report = export(target, drafter, onnx_dir)
     rt = EagleOnnxRuntime(str(report.backbone), target.cfg.num_kv_heads, target.cfg.head_dim)
     cal = CalibrationOnnxRuntime(str(report.calibration))
 

@@ -35,8 +35,19 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output tokens per sequence (default: min(model limit, 2048))")
     p.add_argument("--max-draft-len", type=int, default=8, help="drafted tokens per step, at most")
-    p.add_argument("--default-method", default="none",
-                   help="speculation method for requests that do not set spec_method")
+    p.add_argument("--default-method", default=None,
+                   help="speculation method for requests that do not set spec_method "
+                        "(default: eagle when a drafter is served, else none)")
+    p.add_argument("--drafter", action="append", default=[], metavar="METHOD=DIR",
+                   help="serve a trained drafter, e.g. eagle=models/demo/eagle (repeatable); "
+                        "without it, an EAGLE drafter in a folder 'eagle' beside the target is used")
+    p.add_argument("--no-drafters", action="store_true", help="serve no drafter even if one is found")
+    p.add_argument("--placement", choices=("fused", "remote"), default="fused",
+                   help="drafters inside the engine (fused) or as hot-loadable Triton models (remote, "
+                        "server in explicit model-control mode; see `specserve drafters`)")
+    p.add_argument("--spec-threshold", type=float, default=0.3,
+                   help="EAGLE stops drafting when the calibration head's predicted cumulative "
+                        "acceptance falls below this")
     p.add_argument("--work-dir", type=Path, default=Path("work_dirs/serve"),
                    help="where the rendered repository, backends and logs go")
     p.set_defaults(run=_serve)
@@ -72,6 +83,30 @@ def check_checkpoint(target: Path, max_model_len: int | None) -> int:
     return max_model_len
 
 
+def resolve_drafters(target: Path, flags: list[str], disabled: bool) -> tuple[tuple[str, str], ...]:
+    """--drafter METHOD=DIR flags, else an EAGLE drafter found beside the target."""
+    import json
+
+    from specserve.triton.factory import DRAFTED
+
+    pairs = []
+    for flag in flags:
+        method, sep, folder = flag.partition("=")
+        if not sep or not folder:
+            raise CliError(f"--drafter expects METHOD=DIR, got {flag!r}")
+        if method not in DRAFTED:
+            raise CliError(f"--drafter: unknown method {method!r}; drafters: {', '.join(DRAFTED)}")
+        if not (Path(folder) / "config.json").is_file():
+            raise CliError(f"--drafter {flag}: {folder} has no config.json")
+        pairs.append((method, folder))
+    if disabled:
+        return ()
+    beside = target.resolve().parent / "eagle" / "config.json"
+    if not pairs and beside.is_file() and json.loads(beside.read_text()).get("specserve_drafter") == "eagle":
+        pairs.append(("eagle", str(beside.parent)))
+    return tuple(pairs)
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -82,7 +117,10 @@ def _serve(args: argparse.Namespace) -> int:
     from specserve.triton.render import RepositorySettings, render_repository
 
     max_len = check_checkpoint(args.target, args.max_model_len)
-    methods = ["none", *PROPOSERS]
+    drafters = resolve_drafters(args.target, args.drafter, args.no_drafters)
+    methods = ["none", *PROPOSERS, *(m for m, _ in drafters)]
+    if args.default_method is None:
+        args.default_method = drafters[0][0] if drafters else "none"
     if args.default_method not in methods:
         raise CliError(f"--default-method {args.default_method!r} is not one of {', '.join(methods)}")
     if args.max_num_seqs < 1:
@@ -93,14 +131,20 @@ def _serve(args: argparse.Namespace) -> int:
     work = args.work_dir.resolve()
     repo = render_repository(RepositorySettings(args.target, max_num_seqs=args.max_num_seqs, max_model_len=max_len,
                                                 max_draft_len=args.max_draft_len,
-                                                default_method=args.default_method), work / "model_repository")
-    server = TritonServer(repo, work, Ports(args.http_port, args.grpc_port, args.metrics_port))
+                                                default_method=args.default_method, drafters=drafters,
+                                                placement=args.placement, spec_threshold=args.spec_threshold),
+                             work / "model_repository")
+    # Remote drafters are hot-loadable: explicit model control, everything loaded at start.
+    extra = ["--model-control-mode=explicit", "--load-model=*"] if drafters and args.placement == "remote" else []
+    server = TritonServer(repo, work, Ports(args.http_port, args.grpc_port, args.metrics_port), extra_args=extra)
     # Ctrl-C and SIGTERM (docker stop, Kubernetes) both stop the server gracefully; the server
     # runs in its own process group, so the signal reaches it only through server.stop().
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
     print(f"specserve: serving {args.target} (max_model_len={max_len}, max_num_seqs={args.max_num_seqs}, "
-          f"methods: {', '.join(methods)}) from {repo}", flush=True)
+          f"methods: {', '.join(methods)}; default {args.default_method}) from {repo}", flush=True)
+    for method, folder in drafters:
+        print(f"specserve: drafter {method} from {folder} ({args.placement})", flush=True)
     try:
         server.start()
         server.wait_ready(timeout=600)
@@ -126,6 +170,39 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_serve]
+
+
+# -- drafters (hot-loading) -------------------------------------------------------------------------
+def _add_drafters(sub: argparse._SubParsersAction) -> None:
+    from specserve.triton.drafters import DRAFTER_MODELS, __doc__ as doc
+
+    p = sub.add_parser("drafters", help="list / load / unload remote drafters on a running server",
+                       description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", choices=("list", "load", "unload"))
+    p.add_argument("name", nargs="?", help=f"drafter model ({', '.join(DRAFTER_MODELS)})")
+    p.add_argument("--url", default="localhost:8001", help="the server's gRPC address")
+    p.set_defaults(run=_drafters)
+
+
+def _drafters(args: argparse.Namespace) -> int:
+    from specserve.triton import drafters
+
+    try:
+        if args.action == "list":
+            for m in drafters.list_models(args.url):
+                mark = "drafter" if m.name in drafters.DRAFTER_MODELS else ""
+                print(f"{m.name:20s} {m.version or '-':>3s} {m.state:12s} {mark:8s} {m.reason}")
+            return 0
+        if not args.name:
+            raise CliError(f"drafters {args.action} needs a model name")
+        (drafters.load if args.action == "load" else drafters.unload)(args.url, args.name)
+        print(f"{args.action}ed {args.name}")
+        return 0
+    except drafters.DrafterError as e:
+        raise CliError(str(e)) from None
+
+
+COMMANDS.append(_add_drafters)
 
 
 # -- bench (specserve/bench/) ---------------------------------------------------------------------

@@ -1,7 +1,12 @@
 """Build the engine a deployment serves: model, tokenizer and the method → proposer wiring.
 
-The one place that says which speculation methods exist; new proposers (EAGLE, MTP, DFlash,
-DSPark) are added to PROPOSERS. Shared by the target_verifier model, the CLI and benchmarks.
+The one place that says which speculation methods exist; new proposers (MTP, DFlash, DSPark)
+are added to PROPOSERS (no trained weights needed) or DRAFTED (built from a drafter folder).
+Shared by the target_verifier model, the CLI and benchmarks.
+
+EAGLE has two placements behind the same proposer interface: "fused" (the drafter runs in the
+engine process, torch) and "remote" (the exported ONNX drafter runs in the Triton models of the
+`eagle_proposal` ensemble, called once per step by BLS, hot-loadable).
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ PROPOSERS: dict[str, Callable[[], "Proposer"]] = {
     "ngram": _ngram,
 }
 
+# Methods that need a trained drafter (given per deployment in EngineSettings.drafters).
+DRAFTED = ("eagle",)
+PLACEMENTS = ("fused", "remote")
+
 
 @dataclass(frozen=True)
 class EngineSettings:
@@ -34,6 +43,31 @@ class EngineSettings:
     max_model_len: int | None = None     # None → min(the model's max_position_embeddings, 2048)
     max_draft_len: int = 8
     default_method: str = "none"
+    drafters: tuple[tuple[str, str], ...] = ()  # (method, drafter folder), e.g. ("eagle", "models/demo/eagle")
+    placement: str = "fused"                    # where drafters run: "fused" or "remote"
+    spec_threshold: float | None = 0.3          # calibration-head stop threshold (None: fixed length)
+
+
+def available_methods(settings: EngineSettings) -> list[str]:
+    return ["none", *PROPOSERS, *(m for m, _ in settings.drafters)]
+
+
+def _drafted(method: str, folder: str, model, settings: EngineSettings, max_len: int) -> "Proposer":
+    if method not in DRAFTED:
+        raise ValueError(f"unknown drafter method {method!r}; drafters: {', '.join(DRAFTED)}")
+    if settings.placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {settings.placement!r}")
+    if settings.placement == "remote":
+        from specserve.proposers.remote import RemoteProposer
+        from specserve.triton import bls
+
+        return RemoteProposer(method, bls.proposal_call(), max_draft_len=settings.max_draft_len,
+                              threshold=settings.spec_threshold, release=bls.release_call())
+    from specserve.proposers.eagle import EagleProposer, load_eagle
+
+    return EagleProposer(load_eagle(folder, model), model, max_num_seqs=settings.max_num_seqs,
+                         max_model_len=max_len, max_draft_len=settings.max_draft_len,
+                         threshold=settings.spec_threshold, name=method)
 
 
 def default_max_model_len(checkpoint: str | Path) -> int:
@@ -52,5 +86,7 @@ def build_engine(settings: EngineSettings):
     config = EngineConfig(max_num_seqs=settings.max_num_seqs, max_model_len=max_len,
                           max_draft_len=settings.max_draft_len, default_method=settings.default_method)
     proposers = {name: make() for name, make in PROPOSERS.items()}
+    for method, folder in settings.drafters:
+        proposers[method] = _drafted(method, folder, model, settings, max_len)
     engine = Engine(model, config, proposers, detokenize=make_decode(tokenizer))
     return engine, tokenizer

@@ -9,6 +9,10 @@ travel as model config parameters, because ensembles cannot carry constants (DES
       target_verifier/  config.pbtxt  1/model.py
       postprocess/      config.pbtxt  1/model.py
       llm/              config.pbtxt  1/            (the ensemble)
+    and, when drafters run remotely (placement "remote"):
+      eagle_backbone/   config.pbtxt  1/model.py 1/eagle_backbone.onnx
+      calibration_head/ config.pbtxt  1/model.py 1/calibration_head.onnx
+      eagle_proposal/   config.pbtxt  1/            (ensemble: backbone → calibration head)
 """
 
 from __future__ import annotations
@@ -31,6 +35,18 @@ class RepositorySettings:
     max_draft_len: int = 8
     default_method: str = "none"
     tier: str = "default"
+    drafters: tuple[tuple[str, str], ...] = ()  # (method, drafter folder)
+    placement: str = "fused"
+    spec_threshold: float | None = 0.3
+
+
+def encode_drafters(drafters: tuple[tuple[str, str], ...]) -> str:
+    """(method, folder) pairs as one config parameter string: "eagle=/abs/path;…"."""
+    return ";".join(f"{m}={Path(f).resolve()}" for m, f in drafters)
+
+
+def decode_drafters(text: str) -> tuple[tuple[str, str], ...]:
+    return tuple(tuple(item.split("=", 1)) for item in text.split(";") if item)  # type: ignore[misc]
 
 
 def _tensor(t: TensorSpec, is_input: bool) -> str:
@@ -90,7 +106,11 @@ def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
         schema.TARGET_VERIFIER.name: {"checkpoint": ckpt, "max_num_seqs": settings.max_num_seqs,
                                       "max_model_len": settings.max_model_len,
                                       "max_draft_len": settings.max_draft_len,
-                                      "default_method": settings.default_method},
+                                      "default_method": settings.default_method,
+                                      "drafters": encode_drafters(settings.drafters),
+                                      "placement": settings.placement,
+                                      "spec_threshold": "" if settings.spec_threshold is None
+                                      else settings.spec_threshold},
         schema.POSTPROCESS.name: {"checkpoint": ckpt},
     }
     for spec in schema.ENSEMBLE_STEPS:
@@ -103,4 +123,36 @@ def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
     (repo / schema.ENSEMBLE.name / "1").mkdir(parents=True)
     (repo / schema.ENSEMBLE.name / "config.pbtxt").write_text(
         ensemble_config(schema.ENSEMBLE, schema.ENSEMBLE_STEPS))
+    if settings.placement == "remote":
+        for method, folder in settings.drafters:
+            render_eagle_proposal(Path(settings.checkpoint), Path(folder), repo, version=1)
     return repo
+
+
+def render_eagle_proposal(checkpoint: Path, drafter_dir: Path, repo: Path, *, version: int) -> None:
+    """Export the drafter to ONNX into version `version` of eagle_backbone / calibration_head and
+    write their configs and the eagle_proposal ensemble. A later version (hot-loading a retrained
+    drafter) is the same call with version + 1, then `specserve drafters load eagle_proposal`."""
+    from specserve.model import load_model
+    from specserve.proposers.eagle import load_eagle
+    from specserve.proposers.eagle_export import export
+
+    target = load_model(checkpoint)
+    drafter = load_eagle(drafter_dir, target)
+    if drafter.calibration is None:
+        raise ValueError(f"remote EAGLE needs a drafter with a calibration head; {drafter_dir} has none")
+    out = repo / "_export"
+    report = export(target, drafter, out)
+    c = drafter.cfg
+    backbone_params = {"kv_heads": c.num_kv_heads, "head_dim": c.head_dim, "hidden_size": c.hidden_size}
+    for spec, onnx_file, params in ((schema.EAGLE_BACKBONE, report.backbone, backbone_params),
+                                    (schema.CALIBRATION_HEAD, report.calibration, {})):
+        vdir = repo / spec.name / str(version)
+        vdir.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(TEMPLATES / spec.name / "1" / "model.py", vdir / "model.py")
+        shutil.move(str(onnx_file), vdir / onnx_file.name)
+        (repo / spec.name / "config.pbtxt").write_text(python_model_config(spec, params))
+    shutil.rmtree(out)
+    (repo / schema.EAGLE_PROPOSAL.name / "1").mkdir(parents=True, exist_ok=True)
+    (repo / schema.EAGLE_PROPOSAL.name / "config.pbtxt").write_text(
+        ensemble_config(schema.EAGLE_PROPOSAL, schema.EAGLE_PROPOSAL_STEPS))

@@ -12,6 +12,7 @@ from specserve.triton import pb, schema
 from specserve.triton.factory import EngineSettings, build_engine
 from specserve.triton.metrics import TritonMetrics
 from specserve.triton.params import RequestConfig
+from specserve.triton.render import decode_drafters
 from specserve.triton.service import VerifierResponse, VerifierService
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -47,7 +48,10 @@ class TritonPythonModel:
         p = pb.model_parameters(args)
         settings = EngineSettings(checkpoint=Path(p["checkpoint"]), max_num_seqs=int(p["max_num_seqs"]),
                                   max_model_len=int(p["max_model_len"]), max_draft_len=int(p["max_draft_len"]),
-                                  default_method=p["default_method"])
+                                  default_method=p["default_method"],
+                                  drafters=decode_drafters(p.get("drafters", "")),
+                                  placement=p.get("placement", "fused"),
+                                  spec_threshold=float(p["spec_threshold"]) if p.get("spec_threshold") else None)
         engine, _ = build_engine(settings)
         self.metrics = TritonMetrics(pb_utils)
         self.service = VerifierService(engine, self.metrics)
