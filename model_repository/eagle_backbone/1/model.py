@@ -14,6 +14,7 @@ from specserve.proposers.eagle_onnx import DraftBatch, EagleOnnxRuntime
 from specserve.triton import pb, schema
 
 DRAFT_INPUTS = ("seq_ids", "valid_from", "num_new", "features", "next_tokens", "max_draft_len")
+SPECS = {t.name: t for t in schema.EAGLE_BACKBONE.inputs}
 
 
 def _out(spec, arr):
@@ -39,7 +40,7 @@ class TritonPythonModel:
                     self.rt.release(release.reshape(-1).tolist())
                     res = None
                 else:
-                    arrays = {n: pb.input_array(request, schema.EAGLE_BACKBONE.input(n)) for n in DRAFT_INPUTS}
+                    arrays = {n: pb.input_array(request, SPECS[n]) for n in DRAFT_INPUTS}
                     missing = [n for n, a in arrays.items() if a is None]
                     if missing:
                         raise ValueError(f"eagle_backbone needs {', '.join(missing)} (or release_ids)")

@@ -1,0 +1,86 @@
+"""EAGLE served remotely through a real tritonserver (explicit model control): greedy equals
+plain decoding, and unloading / reloading the drafter during concurrent streams fails nothing."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from conftest import make_tiny_checkpoint
+from specserve.model import load_model
+from specserve.proposers.eagle import save_eagle
+from specserve.tiny import train_tiny_tokenizer
+from specserve.triton import drafters
+from specserve.triton.client import StreamClient
+from specserve.triton.launch import Ports, TritonServer
+from specserve.triton.render import RepositorySettings, render_repository
+from test_eagle import random_drafter
+
+pytestmark = pytest.mark.triton
+
+PROMPTS = ["def add(a, b):\n    return", "Hello 世界! 😀 the quick", "the quick brown fox", "中文 and 🚀"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle_serving")
+    ckpt = root / "ckpt"
+    ckpt.mkdir()
+    train_tiny_tokenizer(ckpt)
+    from tokenizers import Tokenizer
+    vocab = Tokenizer.from_file(str(ckpt / "tokenizer.json")).get_vocab_size()
+    make_tiny_checkpoint(ckpt, "llama", vocab_size=vocab, seed=3, max_position_embeddings=256)
+    target = load_model(ckpt)
+    save_eagle(random_drafter(target, seed=5), json.loads((ckpt / "config.json").read_text()), root / "eagle")
+    repo = render_repository(RepositorySettings(ckpt, max_num_seqs=16, max_model_len=256, max_draft_len=4,
+                                                default_method="eagle", drafters=(("eagle", str(root / "eagle")),),
+                                                placement="remote", spec_threshold=None),
+                             root / "model_repository")
+    srv = TritonServer(repo, root, Ports.free(), log_file=root / "tritonserver.log", exit_timeout_s=5,
+                       extra_args=["--model-control-mode=explicit", "--load-model=*"])
+    srv.start()
+    try:
+        srv.wait_ready(180)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def gen(srv, prompt, method, max_tokens=40):
+    return StreamClient(srv.grpc_url).generate(prompt, {"max_tokens": max_tokens, "spec_method": method})
+
+
+def test_remote_eagle_greedy_equals_none(server):
+    for p in PROMPTS:
+        plain, spec = gen(server, p, "none"), gen(server, p, "eagle")
+        assert spec.text == plain.text, p
+        assert spec.spec_stats["method"] == "eagle" and spec.spec_stats["draft_tokens"] > 0
+        assert spec.spec_stats["proposer_errors"] == 0
+    states = {m.name: m.state for m in drafters.list_models(server.grpc_url)}
+    assert states["eagle_proposal"] == states["eagle_backbone"] == states["calibration_head"] == "READY"
+
+
+def test_unload_and_reload_during_eight_streams_fails_nothing(server):
+    want = {p: gen(server, p, "none", 200) for p in PROMPTS}
+    jobs = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(gen, server, p, "eagle", 200) for p in jobs]
+        time.sleep(0.3)
+        drafters.unload(server.grpc_url, "eagle_proposal")   # also unloads backbone + calibration
+        time.sleep(0.5)
+        drafters.load(server.grpc_url, "eagle_proposal")
+        results = [f.result() for f in futures]
+    for p, r in zip(jobs, results):
+        assert (r.text, r.finish_reason) == (want[p].text, want[p].finish_reason)
+    assert sum(r.spec_stats["proposer_errors"] for r in results) > 0, "the unload did not hit the streams"
+    after = gen(server, PROMPTS[0], "eagle")  # the reloaded drafter drafts again
+    assert after.spec_stats["draft_tokens"] > 0 and after.spec_stats["proposer_errors"] == 0
+
+
+def test_drafters_cli_refuses_non_drafters(server):
+    with pytest.raises(drafters.DrafterError, match="'llm' is not a drafter model"):
+        drafters.unload(server.grpc_url, "llm")
