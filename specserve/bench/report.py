@@ -151,6 +151,8 @@ def plots(report: dict, phases: list[PhaseResult], out: Path) -> list[Path]:
                      if p["methods"].get(method, {}).get("output_throughput") is not None)
         if pts:
             ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=method)
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("offered request rate (requests/s, Poisson)")
     ax.set_ylabel("output tokens/s")
     ax.set_title("Throughput vs request rate")
