@@ -113,8 +113,7 @@ def _interrupt(signum, frame) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from specserve.triton.factory import PROPOSERS
-    from specserve.triton.launch import Ports, ServerStartError, TritonServer
-    from specserve.triton.render import RepositorySettings, render_repository
+    from specserve.triton.launch import ServerStartError, WorkDirLock
 
     max_len = check_checkpoint(args.target, args.max_model_len)
     drafters = resolve_drafters(args.target, args.drafter, args.no_drafters)
@@ -129,6 +128,19 @@ def _serve(args: argparse.Namespace) -> int:
                        (args.metrics_port, "--metrics-port")):
         _check_port(port, flag)
     work = args.work_dir.resolve()
+    try:
+        lock = WorkDirLock(work)
+    except ServerStartError as e:
+        raise CliError(str(e)) from None
+    with lock:
+        return _run_server(args, work, max_len, methods, drafters)
+
+
+def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: list[str],
+                drafters: tuple[tuple[str, str], ...]) -> int:
+    from specserve.triton.launch import Ports, ServerStartError, TritonServer
+    from specserve.triton.render import RepositorySettings, render_repository
+
     repo = render_repository(RepositorySettings(args.target, max_num_seqs=args.max_num_seqs, max_model_len=max_len,
                                                 max_draft_len=args.max_draft_len,
                                                 default_method=args.default_method, drafters=drafters,

@@ -2,13 +2,16 @@
 
 Serves the bundled demo target (models/demo/target) when it is there; otherwise a tiny random
 model made on the spot (its text is noise — it shows the plumbing, not quality). Everything runs
-on free ports under work_dirs/demo/, so it never collides with a running `make serve`.
+on free ports in a fresh folder under work_dirs/demo/, so it never collides with a running
+`make serve` or another demo.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -66,9 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as e:
         print(f"specserve demo: {e}", file=sys.stderr)
         return 2
+    # A folder of its own per run: demos (and test runs) may overlap, and a second server must
+    # never re-render the repository or backends a running one uses.
+    run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=WORK))
     repo = render_repository(RepositorySettings(target, max_num_seqs=4, max_model_len=max_len),
-                             WORK / "model_repository")
-    server = TritonServer(repo, WORK, Ports.free(), log_file=WORK / "tritonserver.log")
+                             run_dir / "model_repository")
+    server = TritonServer(repo, run_dir, Ports.free(), log_file=run_dir / "tritonserver.log")
+    ok = False
     t0 = time.monotonic()
     try:
         server.start()
@@ -100,13 +107,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {method:6s} {tokens:4d} tokens in {secs:5.2f} s ({tokens / secs:6.1f} tok/s), "
                   f"mean acceptance length {mal:.2f}")
         client.close()
+        ok = True
         return 0
     except ServerStartError as e:
         print(f"specserve demo: tritonserver did not start: {e}", file=sys.stderr)
         return 1
     finally:
         server.stop()
-        print("tritonserver stopped.")
+        print("tritonserver stopped." + ("" if ok else f" Its files and log are kept in {run_dir}"))
+        if ok:
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,15 @@ def test_port_in_use(ckpt, capsys):
     assert f"port {port} is already in use" in capsys.readouterr().err
 
 
+def test_work_dir_in_use(ckpt, tmp_path, capsys):
+    from specserve.triton.launch import WorkDirLock
+    free = Ports.free()
+    with WorkDirLock(tmp_path):  # as a running `specserve serve` holds it
+        assert _serve("--target", str(ckpt), "--work-dir", str(tmp_path), "--http-port", str(free.http),
+                      "--grpc-port", str(free.grpc), "--metrics-port", str(free.metrics)) == 2
+    assert "is in use by another running server" in capsys.readouterr().err
+
+
 @pytest.mark.triton
 def test_serve_runs_in_the_foreground_and_stops_on_sigterm(ckpt, tmp_path):
     from specserve.triton.client import StreamClient

@@ -18,6 +18,7 @@ as it is.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -70,12 +71,22 @@ def prepare_backends(work_dir: Path) -> Path:
     backends = Path(work_dir) / "backends"
     dest = backends / "python"
     dest.mkdir(parents=True, exist_ok=True)
-    for src in (root / "backends" / "python").iterdir():
-        if src.is_file():
-            shutil.copy2(src, dest / src.name)
+    files = [f for f in (root / "backends" / "python").iterdir() if f.is_file()]
     # The stub's RPATH finds its libraries relative to its own folder: it must sit here.
-    shutil.copy2(stub, dest / stub.name)
+    for src in [*files, stub]:
+        _install(src, dest / src.name)
     return backends
+
+
+def _install(src: Path, dst: Path) -> None:
+    """Copy src to dst unless an identical copy is there, atomically: another server may be
+    running from this folder, and rewriting a loaded library in place crashes it."""
+    st = src.stat()
+    if dst.exists() and dst.stat().st_size == st.st_size and int(dst.stat().st_mtime) == int(st.st_mtime):
+        return
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    shutil.copy2(src, tmp)
+    os.replace(tmp, dst)
 
 
 def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -90,6 +101,30 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     # own thread count. Leave a user's explicit setting alone.
     env.setdefault("OMP_NUM_THREADS", str(min(4, os.cpu_count() or 1)))
     return env
+
+
+class WorkDirLock:
+    """Exclusive use of a work dir while a server runs from it: a second server rendering into the
+    same folder would delete the first one's repository under it. Acquired on construction
+    (raises ServerStartError when taken); released on exit or by the OS when the process ends."""
+
+    def __init__(self, work_dir: Path):
+        work_dir = Path(work_dir)
+        work_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(work_dir / ".lock", "w")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.close()
+            raise ServerStartError(f"{work_dir} is in use by another running server; "
+                                   "give this one its own work dir") from None
+
+    def __enter__(self) -> "WorkDirLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self._file, fcntl.LOCK_UN)
+        self._file.close()
 
 
 @dataclass(frozen=True)
