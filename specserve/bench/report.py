@@ -61,6 +61,10 @@ def _f(x, scale: float = 1.0, digits: int = 1) -> str:
     return "—" if x is None else f"{x * scale:.{digits}f}"
 
 
+def _pct(x) -> str:
+    return "—" if x is None else f"{100 * x:.0f} %"
+
+
 def _d(dist: dict | None, stat: str, scale: float = 1.0, digits: int = 1) -> str:
     return _f(None if dist is None else dist[stat], scale, digits)
 
@@ -82,8 +86,8 @@ def markdown(report: dict) -> str:
     if report["methods"]["skipped"]:
         lines.append("- skipped methods: " + "; ".join(f"`{k}`: {v}" for k, v in report["methods"]["skipped"].items()))
     lines += ["", "| phase | method | out tok/s | × none | req/s | TTFT P50 ms | TPOT P50 ms | ITL P50 ms "
-              "| E2E P50 s | E2E P90 s | E2E P99 s | E2E std s | acc. len | draft tok/step | errors |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| E2E P50 s | E2E P90 s | E2E P99 s | E2E std s | acc. len | draft tok/step | same text as none | errors |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for ph in report["phases"]:
         label = f"C={ph['concurrency']}" if ph["mode"] == "closed" else f"λ={ph['request_rate']:g}/s"
         for name, s in ph["methods"].items():
@@ -94,7 +98,7 @@ def markdown(report: dict) -> str:
                 f"{_d(s['tpot_s'], 'p50', 1e3)} | {_d(s['itl_s'], 'p50', 1e3)} | {_d(s['e2e_s'], 'p50', 1, 2)} | "
                 f"{_d(s['e2e_s'], 'p90', 1, 2)} | {_d(s['e2e_s'], 'p99', 1, 2)} | {_d(s['e2e_s'], 'std', 1, 2)} | "
                 f"{_f(s['mean_acceptance_length'], digits=2)} | {_f(s['draft_tokens_per_step'], digits=2)} | "
-                f"{s['errors']} |")
+                f"{_pct(ph['identical_outputs_vs_none'].get(name))} | {s['errors']} |")
     peers = report["peers"]
     lines.append("")
     if peers["status"] != "run":
@@ -110,7 +114,7 @@ def markdown(report: dict) -> str:
                 continue
             lines.append(f"| {name} | {_f(s['output_throughput'])} | {_f(s['ratio_to_specserve_none'], digits=2)} | "
                          f"{_f(s['ratio_to_specserve_best'], digits=2)} | "
-                         f"{_f(s['identical_text_to_specserve_none'], 100, 0)} % |")
+                         f"{_pct(s['identical_text_to_specserve_none'])} |")
     for note in report.get("notes", []):
         lines.append(f"\n_{note}_")
     return "\n".join(lines) + "\n"

@@ -50,7 +50,11 @@ class StreamDriver:
             if send_at is not None:
                 time.sleep(max(0.0, send_at - clock()))
             rec = RequestRecord(req.index, method, req.bucket, send_t=clock())
-            client.async_stream_infer(self.model, inputs, enable_empty_final_response=True)
+            try:
+                client.async_stream_infer(self.model, inputs, enable_empty_final_response=True)
+            except Exception as e:  # noqa: BLE001 — a failed send is this request's error, not the run's
+                rec.error, rec.end_t = f"send failed: {e}", clock()
+                return rec
             pieces = []
             while True:
                 try:
