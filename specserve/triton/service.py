@@ -19,6 +19,7 @@ import itertools
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -92,6 +93,8 @@ class VerifierService:
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        # Ids unique across reloads of this model too: postprocess remembers ids it cancelled.
+        self._prefix = uuid.uuid4().hex[:8]
         self._stopping = threading.Event()
         self.loop = EngineLoop(engine, self._on_output, self._on_failure).start()
         self._watcher = threading.Thread(target=self._watch_cancellations, name="specserve-cancel",
@@ -105,7 +108,7 @@ class VerifierService:
             params = SamplingParams(**{**config.sampling, "stop": tuple(config.sampling.get("stop", ()))})
         except TypeError as e:  # a direct caller of target_verifier skipped preprocess's checks
             raise RequestRejected(f"bad sampling parameters: {e}") from None
-        rid = f"r{next(self._ids)}"
+        rid = f"{self._prefix}-{next(self._ids)}"
         req = GenerationRequest(rid, list(prompt_ids), params, config.spec_method)
         method = config.spec_method or self.engine.cfg.default_method
         num_sent = 0 if config.include_prompt else len(prompt_ids)
