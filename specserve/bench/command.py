@@ -11,6 +11,7 @@ model's weights are absent, a small random-weight model, and the report says so)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import shlex
@@ -105,8 +106,67 @@ def _model(args: argparse.Namespace, notes: list[str]) -> tuple[Path | None, str
     return path, "random weights (demo model absent)"
 
 
+@contextlib.contextmanager
+def _server(args: argparse.Namespace, checkpoint: Path | None, max_len: int, out: Path, log):
+    """Yield the gRPC address: --url as given, or a tritonserver started here for the run."""
+    if args.url:
+        yield args.url
+        return
+    from specserve.triton.launch import Ports, TritonServer
+    from specserve.triton.render import RepositorySettings, render_repository
+
+    work = Path(tempfile.mkdtemp(prefix="specserve-bench-"))
+    try:
+        repo = render_repository(RepositorySettings(checkpoint, max_num_seqs=args.max_num_seqs,
+                                                    max_model_len=max_len), work / "model_repository")
+        server = TritonServer(repo, work, Ports.free(), log_file=out / "tritonserver.log", exit_timeout_s=5)
+        log(f"bench: starting tritonserver (log: {server.log_file})")
+        try:
+            server.start()
+            server.wait_ready(300)
+            yield server.grpc_url
+        finally:
+            server.stop()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _offered(driver, methods: list[str], log) -> tuple[list[str], dict[str, str]]:
+    """The requested methods the server runs, and the server's reason for each it does not."""
+    run, skipped = [], {}
+    for m in methods:
+        reason = driver.probe(m)
+        if reason is None:
+            run.append(m)
+            continue
+        if m == "none":
+            raise SystemExit(f"the server cannot run plain decoding (`none`): {reason}")
+        skipped[m] = reason
+        log(f"bench: skipping {m}: {reason}")
+    return run, skipped
+
+
+def _peers(args: argparse.Namespace, checkpoint: Path | None, requests, methods: list[str], driver, log) -> dict:
+    if not args.peers:
+        return {"status": "not run", "reason": "--no-peers"}
+    if checkpoint is None:
+        return {"status": "not run", "reason": "the served checkpoint is not on this machine (give --tokenizer DIR)"}
+    import torch
+
+    from specserve.bench.peers import run_peers
+    from specserve.triton.launch import server_env
+
+    threads = torch.get_num_threads()
+    candidates = [args.peer_threads] if args.peer_threads else [1, int(server_env().get("OMP_NUM_THREADS", "1"))]
+    log("bench: peers (transformers) at concurrency 1")
+    try:
+        return run_peers(checkpoint, requests, methods, driver, draft_model=args.draft_model,
+                         thread_candidates=candidates, log=log)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run(args: argparse.Namespace) -> dict:
-    from specserve.bench import peers as peers_mod
     from specserve.bench import report as report_mod
     from specserve.bench.runner import StreamDriver, run_phase
     from specserve.bench.workload import build_workload, describe, text_source
@@ -117,53 +177,26 @@ def run(args: argparse.Namespace) -> dict:
     cfg = _resolve(args)
     notes: list[str] = []
     checkpoint, kind = _model(args, notes)
-    tok_dir = args.tokenizer or checkpoint or DEMO_TARGET
     max_len = args.max_model_len or (default_max_model_len(checkpoint) if checkpoint else 2048)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if "none" not in methods:
-        methods.insert(0, "none")  # every ratio is to `none` measured in the same run
+    requested = [m.strip() for m in args.methods.split(",") if m.strip()]
+    # Every ratio is to `none` measured in the same run.
+    methods = requested if "none" in requested else ["none", *requested]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    source, source_note = text_source(load_tokenizer(tok_dir), args.prompts_file)
+    source, source_note = text_source(load_tokenizer(args.tokenizer or checkpoint or DEMO_TARGET), args.prompts_file)
     requests, plans = build_workload(source, cfg["num_requests"], max_len, seed=args.seed,
                                      output_range=cfg["output_range"])
-    workload = {**describe(requests, plans, cfg["output_range"], args.seed), "sources": source_note,
-                "quick": args.quick}
     log(f"bench: model {checkpoint or args.url} ({kind}); {len(requests)} requests; "
         f"buckets {[(p.name, p.count) for p in plans]}")
 
-    server = work = None
     t_start = time.perf_counter()
     machine = report_mod.machine()  # before the run: the load average says what else was running
-    try:
-        if args.url:
-            url = args.url
-        else:
-            from specserve.triton.launch import Ports, TritonServer
-            from specserve.triton.render import RepositorySettings, render_repository
-
-            work = Path(tempfile.mkdtemp(prefix="specserve-bench-"))
-            repo = render_repository(RepositorySettings(checkpoint, max_num_seqs=args.max_num_seqs,
-                                                        max_model_len=max_len), work / "model_repository")
-            server = TritonServer(repo, work, Ports.free(), log_file=out / "tritonserver.log", exit_timeout_s=5)
-            log(f"bench: starting tritonserver (log: {server.log_file})")
-            server.start()
-            server.wait_ready(300)
-            url = server.grpc_url
+    with _server(args, checkpoint, max_len, out, log) as url:
         driver = StreamDriver(url, model=args.model)
-        skipped = {}
-        for m in list(methods):
-            reason = driver.probe(m)
-            if reason is not None:
-                if m == "none":
-                    raise SystemExit(f"the server cannot run plain decoding (`none`): {reason}")
-                skipped[m] = reason
-                methods.remove(m)
-                log(f"bench: skipping {m}: {reason}")
+        methods, skipped = _offered(driver, methods, log)
         for m in methods:  # warm-up, not recorded
             driver.run(requests[0], m)
-
         phases = []
         for c in cfg["concurrency"]:
             log(f"bench: closed loop, concurrency {c}")
@@ -174,29 +207,7 @@ def run(args: argparse.Namespace) -> dict:
             log(f"bench: open loop, {rate:g} requests/s (Poisson), {len(open_reqs)} requests")
             phases.append(run_phase(driver, f"open_{rate:g}rps", open_reqs, methods, request_rate=rate,
                                     block_size=cfg["block_size"], seed=args.seed, rotation=len(phases), log=log))
-
-        if not args.peers:
-            peers = {"status": "not run", "reason": "--no-peers"}
-        elif checkpoint is None:
-            peers = {"status": "not run", "reason": "the served checkpoint is not on this machine (give --target)"}
-        else:
-            import torch
-
-            from specserve.triton.launch import server_env
-            threads = torch.get_num_threads()
-            server_threads = int(server_env().get("OMP_NUM_THREADS", "1"))
-            candidates = [args.peer_threads] if args.peer_threads else [1, server_threads]
-            log("bench: peers (transformers) at concurrency 1")
-            try:
-                peers = peers_mod.run_peers(checkpoint, requests[: cfg["peer_requests"]], methods, driver,
-                                            draft_model=args.draft_model, thread_candidates=candidates, log=log)
-            finally:
-                torch.set_num_threads(threads)
-    finally:
-        if server is not None:
-            server.stop()
-        if work is not None:
-            shutil.rmtree(work, ignore_errors=True)
+        peers = _peers(args, checkpoint, requests[: cfg["peer_requests"]], methods, driver, log)
 
     report = {
         "schema": report_mod.SCHEMA,
@@ -205,10 +216,11 @@ def run(args: argparse.Namespace) -> dict:
         "wall_s": time.perf_counter() - t_start,
         "machine": {**machine, "load_average_1m_end": os.getloadavg()[0]},
         "model": {"path": str(checkpoint or args.url), "kind": kind, "max_model_len": max_len},
-        "server": {"url": url, "model": args.model, "started_by_bench": server is not None, "max_num_seqs": args.max_num_seqs},
-        "workload": workload,
-        "methods": {"requested": [m.strip() for m in args.methods.split(",") if m.strip()], "run": methods,
-                    "skipped": skipped},
+        "server": {"url": url, "model": args.model, "started_by_bench": not args.url,
+                   "max_num_seqs": None if args.url else args.max_num_seqs},
+        "workload": {**describe(requests, plans, cfg["output_range"], args.seed), "sources": source_note,
+                     "quick": args.quick},
+        "methods": {"requested": requested, "run": methods, "skipped": skipped},
         "settings": {**cfg, "output_range": list(cfg["output_range"]), "sampling": "greedy (temperature 0)"},
         "phases": [report_mod.phase_summary(p) for p in phases],
         "peers": peers,
