@@ -4,6 +4,7 @@ Python backend stub, where `triton_python_backend_utils` exists)."""
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -52,3 +53,22 @@ def response(values: dict[TensorSpec, object]) -> "pb_utils.InferenceResponse":
 
 def error_response(message: str) -> "pb_utils.InferenceResponse":
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+
+
+class _TritonLogHandler(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        log = pb_utils.Logger
+        write = (log.log_error if record.levelno >= logging.ERROR else
+                 log.log_warn if record.levelno >= logging.WARNING else log.log_info)
+        write(self.format(record))
+
+
+def route_logging(level: int = logging.INFO) -> None:
+    """Send specserve's log records to Triton's log (with its timestamps and verbosity), not the
+    stub's bare stderr."""
+    logger = logging.getLogger("specserve")
+    if not any(isinstance(h, _TritonLogHandler) for h in logger.handlers):
+        handler = _TritonLogHandler()
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(level)

@@ -45,6 +45,7 @@ class _Sender:
 
 class TritonPythonModel:
     def initialize(self, args):
+        pb.route_logging()
         p = pb.model_parameters(args)
         settings = EngineSettings(checkpoint=Path(p["checkpoint"]), max_num_seqs=int(p["max_num_seqs"]),
                                   max_model_len=int(p["max_model_len"]), max_draft_len=int(p["max_draft_len"]),
