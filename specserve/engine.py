@@ -182,7 +182,7 @@ class Engine:
         self.check(req)
         method = req.method or self.cfg.default_method
         seq = _Sequence(seq_id=next(self._ids), req=req, proposer=self.proposers[method],
-                        generator=None if req.params.greedy else make_generator(req.params),
+                        generator=None if req.params.greedy else make_generator(req.params, self.model.device),
                         stats=SpecStats(method), tokens=list(req.prompt_ids),
                         num_prompt=len(req.prompt_ids))
         self._waiting.append(seq)
