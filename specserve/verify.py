@@ -73,7 +73,7 @@ def verify_sampled(logits: torch.Tensor, draft: Draft, params: SamplingParams,
             q = None if draft.probs is None else draft.probs[c].float()
             qx = 1.0 if q is None else float(q[x])
             px = float(p[x])
-            if qx > 0 and float(torch.rand((), generator=generator)) * qx < px:
+            if qx > 0 and float(torch.rand((), generator=generator, device=generator.device)) * qx < px:
                 accepted = c
                 break
             residual = p.clone()
