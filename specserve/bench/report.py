@@ -79,8 +79,9 @@ def markdown(report: dict) -> str:
              + f"; load average {m['load_average_1m']:.1f} at the start, {m['load_average_1m_end']:.1f} at the end",
              f"- workload: {wl['num_requests']} requests, seed {wl['seed']}, outputs drawn from "
              f"{wl['output_range'][0]}–{wl['output_range'][1]} tokens; prompt mix "
-             + ", ".join(f"{k} {b['count']} ({b['prompt_tokens_min']}–{b['prompt_tokens_max']} tok"
-                         + (", capped by the model length" if b["capped"] and b["count"] else "") + ")"
+             + ", ".join(f"{k} {b['count']}" + (f" ({b['prompt_tokens_min']}–{b['prompt_tokens_max']} tok"
+                                                  + (", capped by the model length" if b["capped"] else "") + ")"
+                                                  if b["count"] else "")
                          for k, b in wl["buckets"].items()),
              f"- command: `{report['command']}`"]
     if report["methods"]["skipped"]:
