@@ -214,3 +214,25 @@ def test_workload_on_a_short_model_fits_every_request():
     assert [p.capped for p in plans] == [False, True, True]
     with pytest.raises(ValueError):
         build_workload(word_source(), 5, 32, output_range=(32, 64))
+
+
+def test_prompts_file_takes_json_lines_or_plain_lines(tmp_path):
+    from specserve.bench.workload import read_prompts_file
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "def f(x):", "id": 3}\nplain text line\n\n"a JSON string"\n')
+    assert read_prompts_file(f) == ["def f(x):", "plain text line", "a JSON string"]
+
+
+# -- interleaving and arrivals (runner's pure helpers) ----------------------------------------------
+def test_blocks_rotate_and_poisson_arrivals():
+    from specserve.bench.runner import blocks, poisson_offsets, rotate
+
+    assert [len(b) for b in blocks(list(range(5)), 2)] == [2, 2, 1]
+    methods = ["none", "ngram", "eagle"]
+    assert [rotate(methods, k) for k in range(4)] == [
+        ["none", "ngram", "eagle"], ["ngram", "eagle", "none"], ["eagle", "none", "ngram"], ["none", "ngram", "eagle"]]
+    a = poisson_offsets(2000, 4.0, seed=1)
+    assert a == poisson_offsets(2000, 4.0, seed=1) and a != poisson_offsets(2000, 4.0, seed=2)
+    assert a[0] == 0.0 and all(y > x for x, y in zip(a, a[1:]))
+    assert a[-1] / 1999 == pytest.approx(1 / 4.0, rel=0.1)    # mean gap 1/λ

@@ -194,9 +194,12 @@ def text_source(tokenizer, prompts_file: Path | None) -> tuple[TextSource, dict]
     held-out corpus, or from the prompts file itself when the corpus is unavailable."""
     path = Path(prompts_file) if prompts_file else DEFAULT_PROMPTS
     prompts = read_prompts_file(path) if path.is_file() else []
-    documents, doc_note = ([], "prompts file (--prompts-file given)") if prompts_file else heldout_documents()
+    if prompts_file:
+        documents, long_text = [], "the prompts file, concatenated"
+    else:
+        documents, why = heldout_documents()
+        long_text = why if documents else f"the prompts, concatenated ({why})"
     encode = lambda s: tokenizer.encode(s).ids  # noqa: E731
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     return TextSource(prompts, documents, encode, decode), {
-        "short_prompts": str(path) if prompts else "none", "long_text": doc_note if documents else
-        f"prompts file concatenated ({doc_note})"}
+        "short_prompts": str(path) if prompts else "none", "long_text": long_text}
