@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from specserve.bench.runner import StreamDriver, rotate
 from specserve.bench.workload import WorkloadRequest
@@ -47,7 +47,7 @@ def _hf_runner(model, tokenizer, extra: dict) -> Callable[[WorkloadRequest], tup
 
 
 def calibrate_threads(run: Callable[[WorkloadRequest], tuple[int, float, str]], probe: WorkloadRequest,
-                      candidates: list[int]) -> tuple[int, dict[int, float]]:
+                      candidates: Sequence[int]) -> tuple[int, dict[int, float]]:
     """The torch thread count at which transformers decodes fastest here. On a small CPU shared
     with other work, more threads can be far slower (each of generate's many small ops waits for
     a descheduled sibling thread), so the peers get the better of the candidates: it favours
@@ -66,7 +66,7 @@ def calibrate_threads(run: Callable[[WorkloadRequest], tuple[int, float, str]], 
 
 
 def run_peers(checkpoint: Path, requests: list[WorkloadRequest], spec_methods: list[str], driver: StreamDriver,
-              *, draft_model: Path | None = None, thread_candidates: list[int] = (1,), log=print) -> dict:
+              *, draft_model: Path | None = None, thread_candidates: Sequence[int] = (1,), log=print) -> dict:
     import torch
     import transformers
 
