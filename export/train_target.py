@@ -89,11 +89,24 @@ def batch_at(stream: np.ndarray, step: int, args: argparse.Namespace) -> tuple[t
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
-    """Linear warmup, then cosine decay to 10% of the peak."""
+    """Linear warmup, then cosine decay to 10% of the peak.
+
+    With --rewarm-from S (continuing a finished run for more steps), steps from S on get a
+    second cycle instead: a short linear rewarm to --rewarm-lr, then cosine down to the same
+    floor (10% of --lr) at --steps. Steps before S keep the first cycle, which ended at S.
+    """
+    floor = 0.1 * args.lr
+    if args.rewarm_from is not None and step >= args.rewarm_from:
+        k = step - args.rewarm_from
+        if k < args.rewarm_warmup:
+            return floor + (args.rewarm_lr - floor) * (k + 1) / args.rewarm_warmup
+        t = (k - args.rewarm_warmup) / max(1, args.steps - args.rewarm_from - args.rewarm_warmup)
+        return floor + (args.rewarm_lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+    end = args.rewarm_from if args.rewarm_from is not None else args.steps
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
-    t = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+    t = (step - args.warmup) / max(1, end - args.warmup)
+    return floor + (args.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
 
 
 def make_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.AdamW:
@@ -171,6 +184,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=640)
     ap.add_argument("--warmup", type=int, default=60)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--rewarm-from", type=int, default=None,
+                    help="continue a run that finished at this step with a second warmup+cosine cycle")
+    ap.add_argument("--rewarm-lr", type=float, default=5e-4)
+    ap.add_argument("--rewarm-warmup", type=int, default=20)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=1234)
