@@ -25,9 +25,8 @@ pytestmark = pytest.mark.triton
 PROMPTS = ["def add(a, b):\n    return", "Hello 世界! 😀 the quick", "the quick brown fox", "中文 and 🚀"]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("eagle_serving")
+def start_server(tmp_path_factory, placement: str):
+    root = tmp_path_factory.mktemp(f"eagle_{placement}")
     ckpt = root / "ckpt"
     ckpt.mkdir()
     train_tiny_tokenizer(ckpt)
@@ -38,16 +37,32 @@ def server(tmp_path_factory):
     save_eagle(random_drafter(target, seed=5), json.loads((ckpt / "config.json").read_text()), root / "eagle")
     repo = render_repository(RepositorySettings(ckpt, max_num_seqs=16, max_model_len=256, max_draft_len=4,
                                                 default_method="eagle", drafters=(("eagle", str(root / "eagle")),),
-                                                placement="remote", spec_threshold=None),
+                                                placement=placement, spec_threshold=None),
                              root / "model_repository")
+    extra = ["--model-control-mode=explicit", "--load-model=*"] if placement == "remote" else []
     srv = TritonServer(repo, root, Ports.free(), log_file=root / "tritonserver.log", exit_timeout_s=5,
-                       extra_args=["--model-control-mode=explicit", "--load-model=*"])
+                       extra_args=extra)
     srv.start()
     try:
         srv.wait_ready(180)
-        yield srv
-    finally:
+    except BaseException:
         srv.stop()
+        raise
+    return srv
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = start_server(tmp_path_factory, "remote")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def fused_server(tmp_path_factory):
+    srv = start_server(tmp_path_factory, "fused")
+    yield srv
+    srv.stop()
 
 
 def gen(srv, prompt, method, max_tokens=40):
@@ -62,6 +77,16 @@ def test_remote_eagle_greedy_equals_none(server):
         assert spec.spec_stats["proposer_errors"] == 0
     states = {m.name: m.state for m in drafters.list_models(server.grpc_url)}
     assert states["eagle_proposal"] == states["eagle_backbone"] == states["calibration_head"] == "READY"
+
+
+def test_fused_eagle_greedy_equals_none(fused_server):
+    for p in PROMPTS:
+        plain, spec = gen(fused_server, p, "none"), gen(fused_server, p, "eagle")
+        assert spec.text == plain.text, p
+        assert spec.spec_stats["draft_tokens"] > 0 and spec.spec_stats["proposer_errors"] == 0
+    # Fused drafters are not Triton models: nothing to hot-load.
+    names = {m.name for m in drafters.list_models(fused_server.grpc_url)}
+    assert "eagle_proposal" not in names and "llm" in names
 
 
 def test_unload_and_reload_during_eight_streams_fails_nothing(server):
