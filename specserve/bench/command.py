@@ -74,6 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "faster, measured here, of 1 and the OMP_NUM_THREADS a server started here gets)")
     p.add_argument("--draft-model", type=Path, help="a small causal LM for transformers' assisted generation")
     p.add_argument("--max-num-seqs", type=int, default=16, help="KV slots of a server started here")
+    p.add_argument("--drafter", action="append", default=[], metavar="METHOD=DIR",
+                   help="a drafter for a server started here, as for `specserve serve` (repeatable; default: an "
+                        "EAGLE drafter in a folder 'eagle' beside the target, when there is one)")
+    p.add_argument("--no-drafters", action="store_true", help="start the server without drafters")
     p.add_argument("--out", type=Path, default=Path("work_dirs/bench"), help="report folder (default: %(default)s)")
 
 
@@ -108,23 +112,31 @@ def _model(args: argparse.Namespace, notes: list[str]) -> tuple[Path | None, str
 
 @contextlib.contextmanager
 def _server(args: argparse.Namespace, checkpoint: Path | None, max_len: int, out: Path, log):
-    """Yield the gRPC address: --url as given, or a tritonserver started here for the run."""
+    """Yield (gRPC address, drafters served): --url as given, or a tritonserver started here."""
     if args.url:
-        yield args.url
+        yield args.url, None
         return
+    from specserve.cli import CliError, resolve_drafters
     from specserve.triton.launch import Ports, TritonServer
     from specserve.triton.render import RepositorySettings, render_repository
 
+    try:
+        drafters = resolve_drafters(Path(checkpoint), args.drafter, args.no_drafters)
+    except CliError as e:
+        raise SystemExit(f"specserve bench: {e}") from None
+    for method, folder in drafters:
+        log(f"bench: serving drafter {method} from {folder} (fused)")
     work = Path(tempfile.mkdtemp(prefix="specserve-bench-"))
     try:
         repo = render_repository(RepositorySettings(checkpoint, max_num_seqs=args.max_num_seqs,
-                                                    max_model_len=max_len), work / "model_repository")
+                                                    max_model_len=max_len, drafters=drafters),
+                                 work / "model_repository")
         server = TritonServer(repo, work, Ports.free(), log_file=out / "tritonserver.log", exit_timeout_s=5)
         log(f"bench: starting tritonserver (log: {server.log_file})")
         try:
             server.start()
             server.wait_ready(300)
-            yield server.grpc_url
+            yield server.grpc_url, [f"{m}={Path(f).resolve()}" for m, f in drafters]
         finally:
             server.stop()
     finally:
@@ -192,7 +204,7 @@ def run(args: argparse.Namespace) -> dict:
 
     t_start = time.perf_counter()
     machine = report_mod.machine()  # before the run: the load average says what else was running
-    with _server(args, checkpoint, max_len, out, log) as url:
+    with _server(args, checkpoint, max_len, out, log) as (url, drafters):
         driver = StreamDriver(url, model=args.model)
         methods, skipped = _offered(driver, methods, log)
         for m in methods:  # warm-up, not recorded
@@ -217,7 +229,7 @@ def run(args: argparse.Namespace) -> dict:
         "machine": {**machine, "load_average_1m_end": os.getloadavg()[0]},
         "model": {"path": str(checkpoint or args.url), "kind": kind, "max_model_len": max_len},
         "server": {"url": url, "model": args.model, "started_by_bench": not args.url,
-                   "max_num_seqs": None if args.url else args.max_num_seqs},
+                   "max_num_seqs": None if args.url else args.max_num_seqs, "drafters": drafters},
         "workload": {**describe(requests, plans, cfg["output_range"], args.seed), "sources": source_note,
                      "quick": args.quick},
         "methods": {"requested": requested, "run": methods, "skipped": skipped},
