@@ -1,6 +1,7 @@
-"""A short `specserve bench` run through a real tritonserver on a tiny random model: the report's
-schema, every figure a finite number, same-run ratios to `none` for every method, an unoffered
-method reported as skipped, and the Markdown and PNGs written."""
+"""A short `specserve bench` run through a real tritonserver on a tiny random model with a random
+EAGLE drafter beside it: the report's schema, every figure a finite number, same-run ratios to
+`none` for every method (none, ngram, eagle), an unoffered method reported as skipped, and the
+Markdown and PNGs written."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import pytest
 
 from specserve.bench.command import main
 from specserve.bench.fallback import random_checkpoint
+from specserve.model import load_model
+from specserve.proposers.eagle import save_eagle
+from test_eagle import random_drafter
 
 pytestmark = pytest.mark.triton
 
@@ -37,8 +41,11 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
     # No EOS: every request runs to its budget, so each has several streamed responses.
     ckpt = random_checkpoint(root / "ckpt", hidden=64, layers=2, heads=4, kv_heads=2, max_len=512)
+    # An EAGLE drafter in a folder 'eagle' beside the target: the bench's server serves it.
+    save_eagle(random_drafter(load_model(ckpt), seed=5), json.loads((ckpt / "config.json").read_text()),
+               root / "eagle")
     out = root / "out"
-    report = main(["--target", str(ckpt), "--quick", "--methods", "none,ngram,not_a_method",
+    report = main(["--target", str(ckpt), "--quick", "--methods", "none,ngram,eagle,not_a_method",
                    "--num-requests", "6", "--output-range", "8,24", "--concurrency", "2",
                    "--request-rate", "4,8", "--open-loop-requests", "4", "--block-size", "3",
                    "--peer-requests", "2", "--peer-threads", "1", "--out", str(out)])
@@ -76,17 +83,21 @@ def test_every_figure_is_a_finite_number(run):
 
 def test_ratios_to_none_from_the_same_run_for_every_method(run):
     report, _ = run
-    assert report["methods"]["run"] == ["none", "ngram"]
+    methods = ["none", "ngram", "eagle"]
+    assert report["methods"]["run"] == methods
+    assert report["server"]["drafters"] and report["server"]["drafters"][0].startswith("eagle=")
     for phase in report["phases"]:
-        assert set(phase["speedup_vs_none"]) == {"none", "ngram"}
+        assert set(phase["speedup_vs_none"]) == set(methods)
         for method, ratios in phase["speedup_vs_none"].items():
             assert all(v is not None and v > 0 for v in ratios.values()), (phase["name"], method, ratios)
         assert phase["speedup_vs_none"]["none"]["output_throughput"] == 1.0
         # Greedy speculation is lossless: the same text as plain decoding for every request.
-        assert phase["identical_outputs_vs_none"]["ngram"] == 1.0
+        assert phase["identical_outputs_vs_none"] == {m: 1.0 for m in methods}
         # Every method ran every block, in rotating order.
-        assert all(sorted(order) == ["ngram", "none"] for order in phase["block_order"])
+        assert all(sorted(order) == sorted(methods) for order in phase["block_order"])
         assert phase["block_order"][0] != phase["block_order"][1]
+    eagle = report["phases"][0]["methods"]["eagle"]
+    assert eagle["draft_tokens_per_step"] > 0 and eagle["mean_acceptance_length"] >= 1.0
 
 
 def test_unoffered_method_is_skipped_with_the_servers_reason(run):
@@ -99,8 +110,8 @@ def test_unoffered_method_is_skipped_with_the_servers_reason(run):
 def test_peers_report_ratios_or_say_why_not(run):
     report, _ = run
     peers = report["peers"]
-    assert peers["status"] == "run" and peers["specserve_best"] in ("none", "ngram")
-    for name in ("hf_generate", "hf_prompt_lookup", "specserve_none", "specserve_ngram"):
+    assert peers["status"] == "run" and peers["specserve_best"] in ("none", "ngram", "eagle")
+    for name in ("hf_generate", "hf_prompt_lookup", "specserve_none", "specserve_ngram", "specserve_eagle"):
         s = peers["systems"][name]
         assert s["status"] == "run" and s["requests"] == 2
         assert s["ratio_to_specserve_none"] > 0 and s["ratio_to_specserve_best"] > 0
