@@ -157,25 +157,26 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
           f"methods: {', '.join(methods)}; default {args.default_method}) from {repo}", flush=True)
     for method, folder in drafters:
         print(f"specserve: drafter {method} from {folder} ({args.placement})", flush=True)
+    # One try around everything after start: a signal can arrive at any point (even between
+    # "ready" and the wait), and every exit path must take tritonserver down with us.
     try:
         server.start()
         server.wait_ready(timeout=600)
+        print(f"specserve: ready\n"
+              f"  gRPC     {server.grpc_url}   (model 'llm', streaming)\n"
+              f"  HTTP     http://{server.http_url}/v2/models/llm/generate  |  /generate_stream\n"
+              f"  metrics  {server.metrics_url}\n"
+              f"  Ctrl-C to stop", flush=True)
+        code = server.process.wait()
     except ServerStartError as e:
         server.stop()
         raise CliError(f"tritonserver did not start: {e}") from None
     except KeyboardInterrupt:
-        server.stop()
-        return 130
-    print(f"specserve: ready\n"
-          f"  gRPC     {server.grpc_url}   (model 'llm', streaming)\n"
-          f"  HTTP     http://{server.http_url}/v2/models/llm/generate  |  /generate_stream\n"
-          f"  metrics  {server.metrics_url}\n"
-          f"  Ctrl-C to stop", flush=True)
-    try:
-        code = server.process.wait()
-    except KeyboardInterrupt:
-        code = server.stop() or 0
+        code = server.stop()
         return 0 if code in (0, None) else code
+    except BaseException:
+        server.stop()
+        raise
     if code != 0:
         print(f"specserve: tritonserver exited with code {code}", file=sys.stderr)
     return code

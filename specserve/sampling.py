@@ -20,6 +20,7 @@ class SamplingParams:
     top_k: int = 0            # 0 = off
     seed: int | None = None   # per-request generator seed; None = nondeterministic
     stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False  # keep generating past EOS (benchmarks want fixed output lengths)
 
     @property
     def greedy(self) -> bool:
@@ -39,6 +40,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {list(self.stop)!r}")
 

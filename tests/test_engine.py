@@ -255,3 +255,14 @@ def test_prefill_groups_bound_padding_and_budget():
     seqs = [S(n) for n in (100, 10, 12, 11, 95, 5000, 9)]
     groups = [[len(s.tokens) for s in g] for g in _prefill_groups(seqs, budget=4096)]
     assert groups == [[9, 10, 11, 12], [95, 100], [5000]]
+
+
+def test_ignore_eos_runs_to_max_tokens(llama_ckpt):
+    plain = engine_for(llama_ckpt).generate([req("p", PROMPTS[0], "none", n=20)])["p"].new_token_ids
+    eos = plain[5]
+    model = load_model(llama_ckpt)
+    engine = Engine(model, EngineConfig(max_num_seqs=2, max_model_len=256), eos_token_ids=(eos,))
+    out = engine.generate([req("i", PROMPTS[0], "none", n=20, ignore_eos=True)])["i"]
+    assert out.new_token_ids == plain and out.finish_reason == "length"
+    with pytest.raises(RequestRejected, match="ignore_eos must be a boolean"):
+        engine.submit(req("bad", PROMPTS[0], "none", ignore_eos="yes"))

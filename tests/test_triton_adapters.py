@@ -231,3 +231,14 @@ def test_service_rejects_with_a_message_and_cancels(service):
     assert service.num_live == 0 and service.engine.num_free_slots == 4
     # Triton still needs the final flag of a cancelled request: a bare one, sent once.
     assert sender.closed and len(sender.responses) < 240 and not sender.errors
+
+
+def test_numbers_and_booleans_as_strings_are_accepted_like_the_vllm_backend():
+    sampling, method = parse_sampling_parameters(
+        '{"max_tokens": "64", "temperature": "0.5", "top_k": " 3 ", "ignore_eos": "true", "spec_method": "ngram"}')
+    assert sampling == {"max_tokens": 64, "temperature": 0.5, "top_k": 3, "ignore_eos": True}
+    assert method == "ngram"
+    with pytest.raises(BadRequest, match='sampling_parameters.max_tokens must be an integer, got "6.5"'):
+        parse_sampling_parameters('{"max_tokens": "6.5"}')
+    with pytest.raises(BadRequest, match='sampling_parameters.ignore_eos must be a boolean, got "maybe"'):
+        parse_sampling_parameters('{"ignore_eos": "maybe"}')

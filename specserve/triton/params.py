@@ -14,7 +14,7 @@ from typing import Any
 
 # The keys a client may send, with the JSON types each accepts. `spec_method` overrides the
 # tier's speculation method ("none" = plain decoding).
-_INT, _NUM = "an integer", "a number"
+_INT, _NUM, _BOOL = "an integer", "a number", "a boolean"
 SAMPLING_KEYS: dict[str, str] = {
     "max_tokens": _INT,
     "temperature": _NUM,
@@ -22,6 +22,7 @@ SAMPLING_KEYS: dict[str, str] = {
     "top_k": _INT,
     "seed": _INT,
     "stop": "a string or a list of strings",
+    "ignore_eos": _BOOL,
     "spec_method": "a string",
 }
 
@@ -50,14 +51,35 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _from_string(kind: str, value: Any) -> Any:
+    """Numbers and booleans sent as strings ("64", "0.7", "true"), as Triton's vLLM backend
+    accepts them and genai-perf sends them; anything that does not parse is left as it was."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    try:
+        if kind == _INT:
+            return int(text)
+        if kind == _NUM:
+            return float(text)
+    except ValueError:
+        return value
+    if kind == _BOOL and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return value
+
+
 def _check_type(key: str, value: Any) -> Any:
     kind = SAMPLING_KEYS[key]
     if key == "seed" and value is None:
         return None
+    value = _from_string(kind, value)
     if kind == _INT and _is_int(value):
         return value
     if kind == _NUM and (_is_int(value) or isinstance(value, float)):
         return float(value)
+    if kind == _BOOL and isinstance(value, bool):
+        return value
     if key == "stop":
         if isinstance(value, str):
             return [value]
