@@ -11,7 +11,7 @@ import torch
 from conftest import make_tiny_checkpoint
 from specserve.model import load_model
 from specserve.proposers.eagle import load_eagle
-from tiny_tokenizer import CORPUS, train_tiny_tokenizer
+from specserve.tiny import CORPUS, train_tiny_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "export"))
 import train_eagle  # noqa: E402
