@@ -191,9 +191,14 @@ def _add_drafters(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("drafters", help="list / load / unload remote drafters on a running server",
                        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("action", choices=("list", "load", "unload"))
+    p.add_argument("action", choices=("list", "load", "unload", "publish"))
     p.add_argument("name", nargs="?", help=f"drafter model ({', '.join(DRAFTER_MODELS)})")
     p.add_argument("--url", default="localhost:8001", help="the server's gRPC address")
+    p.add_argument("--target", type=Path, help="publish: the served target checkpoint")
+    p.add_argument("--drafter", type=Path, help="publish: the EAGLE drafter folder to publish")
+    p.add_argument("--repository", type=Path, default=Path("work_dirs/serve/model_repository"),
+                   help="publish: the served model repository")
+    p.add_argument("--load", action="store_true", help="publish: load the new version right away")
     p.set_defaults(run=_drafters)
 
 
@@ -201,6 +206,15 @@ def _drafters(args: argparse.Namespace) -> int:
     from specserve.triton import drafters
 
     try:
+        if args.action == "publish":
+            if not args.target or not args.drafter:
+                raise CliError("drafters publish needs --target and --drafter")
+            version = drafters.publish(args.target, args.drafter, args.repository)
+            print(f"published {args.drafter} as version {version} of eagle_backbone / calibration_head")
+            if args.load:
+                drafters.load(args.url, "eagle_proposal")
+                print("loaded eagle_proposal")
+            return 0
         if args.action == "list":
             for m in drafters.list_models(args.url):
                 mark = "drafter" if m.name in drafters.DRAFTER_MODELS else ""

@@ -25,8 +25,11 @@ pytestmark = pytest.mark.triton
 PROMPTS = ["def add(a, b):\n    return", "Hello 世界! 😀 the quick", "the quick brown fox", "中文 and 🚀"]
 
 
+ROOTS: dict[str, Path] = {}
+
+
 def start_server(tmp_path_factory, placement: str):
-    root = tmp_path_factory.mktemp(f"eagle_{placement}")
+    root = ROOTS[placement] = tmp_path_factory.mktemp(f"eagle_{placement}")
     ckpt = root / "ckpt"
     ckpt.mkdir()
     train_tiny_tokenizer(ckpt)
@@ -109,3 +112,25 @@ def test_unload_and_reload_during_eight_streams_fails_nothing(server):
 def test_drafters_cli_refuses_non_drafters(server):
     with pytest.raises(drafters.DrafterError, match="'llm' is not a drafter model"):
         drafters.unload(server.grpc_url, "llm")
+
+
+def test_publish_a_new_drafter_version_during_streams(server, tmp_path):
+    """A retrained drafter goes live as version 2 while streams run: nothing fails, outputs stay
+    equal to plain decoding, and Triton then serves version 2."""
+    root = ROOTS["remote"]
+    target = load_model(root / "ckpt")
+    save_eagle(random_drafter(target, seed=9), json.loads((root / "ckpt" / "config.json").read_text()),
+               tmp_path / "eagle_v2")
+    want = {p: gen(server, p, "none", 120) for p in PROMPTS}
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(gen, server, p, "eagle", 120) for p in PROMPTS]
+        version = drafters.publish(root / "ckpt", tmp_path / "eagle_v2", root / "model_repository")
+        drafters.load(server.grpc_url, "eagle_proposal")
+        results = [f.result() for f in futures]
+    assert version == 2
+    for p, r in zip(PROMPTS, results):
+        assert (r.text, r.finish_reason) == (want[p].text, want[p].finish_reason)
+    served = {(m.name, m.version): m.state for m in drafters.list_models(server.grpc_url)}
+    assert served[("eagle_backbone", "2")] == "READY" and served[("calibration_head", "2")] == "READY"
+    after = gen(server, PROMPTS[1], "eagle")
+    assert after.text == want[PROMPTS[1]].text[:len(after.text)] and after.spec_stats["draft_tokens"] > 0

@@ -1,8 +1,13 @@
 """Operator commands for hot-loading drafters (Triton's model-control API, explicit mode).
 
-    specserve drafters list   [--url localhost:8001]
-    specserve drafters load   NAME [--url …]
-    specserve drafters unload NAME [--url …]
+    specserve drafters list    [--url localhost:8001]
+    specserve drafters load    NAME [--url …]
+    specserve drafters unload  NAME [--url …]
+    specserve drafters publish --target T --drafter DIR --repository REPO [--load] [--url …]
+
+`publish` exports a (re)trained EAGLE drafter as the next version of the remote drafter models
+in a served repository (work_dirs/serve/model_repository for `specserve serve`); with --load,
+or a later `load eagle_proposal`, Triton switches to it while streams keep running.
 
 Unloading a drafter never fails a request: the engine decodes the affected sequences plainly
 while it is gone and re-primes them when it is back (specserve/proposers/remote.py).
@@ -11,6 +16,7 @@ while it is gone and re-primes them when it is back (specserve/proposers/remote.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 # The models an operator may load / unload: remote proposal ensembles and their parts. The
 # engine (target_verifier) and the llm ensembles are not drafters and are refused.
@@ -51,15 +57,38 @@ def _check_name(name: str) -> None:
         raise DrafterError(f"{name!r} is not a drafter model; drafters: {', '.join(DRAFTER_MODELS)}")
 
 
+# An ensemble's composing models are (re)loaded before it, so a new version of either part is
+# picked up by `load eagle_proposal`.
+PARTS = {"eagle_proposal": ("eagle_backbone", "calibration_head")}
+
+
 def load(url: str, name: str) -> None:
     """Load (or reload, picking up a new version directory) a drafter model."""
     from tritonclient.utils import InferenceServerException
 
     _check_name(name)
-    try:
-        _client(url).load_model(name)
-    except InferenceServerException as e:
-        raise DrafterError(f"loading {name} failed: {e.message()}") from None
+    client = _client(url)
+    for model in (*PARTS.get(name, ()), name):
+        try:
+            client.load_model(model)
+        except InferenceServerException as e:
+            raise DrafterError(f"loading {model} failed: {e.message()}") from None
+
+
+def next_version(repository: Path, name: str = "eagle_backbone") -> int:
+    versions = [int(p.name) for p in (Path(repository) / name).glob("*") if p.is_dir() and p.name.isdigit()]
+    return max(versions, default=0) + 1
+
+
+def publish(target: Path, drafter: Path, repository: Path) -> int:
+    """Write `drafter` as the next version of the remote EAGLE models; returns that version."""
+    from specserve.triton.render import render_eagle_proposal
+
+    if not (Path(repository) / "eagle_proposal" / "config.pbtxt").is_file():
+        raise DrafterError(f"{repository} serves no remote EAGLE drafter (start it with --placement remote)")
+    version = next_version(repository)
+    render_eagle_proposal(Path(target), Path(drafter), Path(repository), version=version)
+    return version
 
 
 def unload(url: str, name: str) -> None:

@@ -18,6 +18,7 @@ travel as model config parameters, because ensembles cannot carry constants (DES
 from __future__ import annotations
 
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,7 +142,7 @@ def render_eagle_proposal(checkpoint: Path, drafter_dir: Path, repo: Path, *, ve
     drafter = load_eagle(drafter_dir, target)
     if drafter.calibration is None:
         raise ValueError(f"remote EAGLE needs a drafter with a calibration head; {drafter_dir} has none")
-    out = repo / "_export"
+    out = Path(tempfile.mkdtemp(prefix="specserve-export-"))  # never inside the served repository
     report = export(target, drafter, out)
     c = drafter.cfg
     backbone_params = {"kv_heads": c.num_kv_heads, "head_dim": c.head_dim, "hidden_size": c.hidden_size}
