@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         print(target)
         return 0
 
-    from specserve.cli import CliError, check_checkpoint
+    from specserve.cli import CliError, check_checkpoint, resolve_drafters
     from specserve.triton.client import StreamClient
     from specserve.triton.launch import Ports, ServerStartError, TritonServer
     from specserve.triton.render import RepositorySettings, render_repository
@@ -66,13 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"specserve demo: serving {what}", flush=True)
     try:
         max_len = check_checkpoint(target, None)
+        drafters = resolve_drafters(target, [], disabled=False)  # e.g. models/demo/eagle
     except CliError as e:
         print(f"specserve demo: {e}", file=sys.stderr)
         return 2
+    methods = METHODS + tuple(m for m, _ in drafters)
+    for method, folder in drafters:
+        print(f"specserve demo: drafter {method} from {folder} (fused in the engine)", flush=True)
     # A folder of its own per run: demos (and test runs) may overlap, and a second server must
     # never re-render the repository or backends a running one uses.
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=WORK))
-    repo = render_repository(RepositorySettings(target, max_num_seqs=4, max_model_len=max_len),
+    repo = render_repository(RepositorySettings(target, max_num_seqs=4, max_model_len=max_len, drafters=drafters),
                              run_dir / "model_repository")
     server = TritonServer(repo, run_dir, Ports.free(), log_file=run_dir / "tritonserver.log")
     ok = False
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for i, prompt in enumerate(PROMPTS, 1):
             print(f"=== prompt {i}: {prompt!r}")
-            for method in METHODS:
+            for method in methods:
                 out = client.generate(prompt, {"max_tokens": args.max_tokens, "spec_method": method})
                 st = out.spec_stats
                 rate = out.num_output_tokens / out.total_s if out.total_s else 0.0
@@ -98,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append((method, out.num_output_tokens, out.total_s, st))
             print()
         print("summary (this run, same prompts):")
-        for method in METHODS:
+        for method in methods:
             mine = [r for r in rows if r[0] == method]
             tokens, secs = sum(r[1] for r in mine), sum(r[2] for r in mine)
             steps = sum(r[3]["steps"] for r in mine)
