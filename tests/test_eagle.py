@@ -142,3 +142,22 @@ def test_eagle1_layout_checkpoint_loads_and_drafts(target_path, tmp_path):
     torch.save(state, folder / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="missing \\['fc.bias'\\]"):
         load_eagle(folder, target)
+
+
+def test_long_prompt_joining_a_long_running_sequence_fits_the_drafter_cache(target_path):
+    """Regression: a new sequence's whole-prompt ingest used to share a padded forward with a
+    sequence near the model length, writing past the drafter's KV pool."""
+    target = load_model(target_path)
+    engine = engine_with(target, random_drafter(target, seed=6), threshold=None, max_num_seqs=2)
+    long_run = GenerationRequest("long", list(range(5, 200)), SamplingParams(max_tokens=50), "eagle")
+    engine.submit(long_run)
+    for _ in range(3):
+        engine.step()  # "long" is now at ~200 committed tokens
+    late = GenerationRequest("late", list(range(10, 180)), SamplingParams(max_tokens=8), "eagle")
+    engine.submit(late)
+    got = []
+    while engine.has_work():
+        got += [t for o in engine.step() if o.request_id == "late" for t in o.new_token_ids]
+    plain = engine_with(target, random_drafter(target, seed=6), threshold=None, max_num_seqs=2)
+    want = plain.generate([GenerationRequest("late", late.prompt_ids, SamplingParams(max_tokens=8), "none")])
+    assert got == want["late"].new_token_ids and engine.num_free_slots == 2

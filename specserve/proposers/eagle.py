@@ -209,6 +209,18 @@ class EagleProposer:
             rows.append(st)
             starts.append(st.valid)
             counts.append(n)
+        # Rows are padded to the longest in their forward, and padding is written to the cache
+        # too: a sequence's first ingest (its whole prompt, from offset 0) must not share a forward
+        # with a long-running sequence, whose offset plus that padding would run past the pool.
+        last = torch.zeros(len(requests), self.drafter.cfg.hidden_size, dtype=self.target.dtype,
+                           device=self.target.device)
+        for group in ([b for b, s in enumerate(starts) if s == 0], [b for b, s in enumerate(starts) if s > 0]):
+            if group:
+                last[group] = self._ingest_rows([requests[b] for b in group], [rows[b] for b in group],
+                                                [starts[b] for b in group], [counts[b] for b in group])
+        return last  # [B, D]
+
+    def _ingest_rows(self, requests, rows, starts, counts) -> torch.Tensor:
         T, B = max(counts), len(requests)
         D = self.drafter.cfg.hidden_size
         feats = torch.zeros(B, T, D, dtype=self.target.dtype, device=self.target.device)
