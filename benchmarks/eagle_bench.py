@@ -30,7 +30,7 @@ from specserve.engine import Engine, EngineConfig, GenerationRequest
 from specserve.model import load_model
 from specserve.proposers.eagle import EagleProposer, load_eagle
 from specserve.proposers.eagle_export import export
-from specserve.proposers.eagle_onnx import CalibrationOnnxRuntime, DraftBatch, EagleOnnxRuntime
+from specserve.proposers.eagle_onnx import CalibrationOnnxRuntime, EagleOnnxRuntime, in_process_call
 from specserve.proposers.remote import RemoteProposer
 from specserve.sampling import SamplingParams
 
@@ -80,17 +80,13 @@ def main(argv: list[str] | None = None) -> dict:
     rt = EagleOnnxRuntime(str(report.backbone), target.cfg.num_kv_heads, target.cfg.head_dim)
     cal = CalibrationOnnxRuntime(str(report.calibration))
 
-    def remote_call(inputs):
-        res = rt.draft(DraftBatch(**inputs))
-        return {"draft_tokens": res.tokens, "accept_prob": cal.accept_prob(res.hidden, res.scalars),
-                "unknown": res.unknown}
-
     proposers = {
         "eagle": EagleProposer(drafter, target, max_num_seqs=1, max_model_len=max_len, max_draft_len=K,
                                threshold=args.threshold, name="eagle"),
         "eagle_fixed4": EagleProposer(drafter, target, max_num_seqs=1, max_model_len=max_len, max_draft_len=4,
                                       threshold=None, name="eagle_fixed4"),
-        "eagle_remote": RemoteProposer("eagle_remote", remote_call, max_draft_len=K, threshold=args.threshold,
+        "eagle_remote": RemoteProposer("eagle_remote", in_process_call(rt, cal), max_draft_len=K,
+                                       threshold=args.threshold,
                                        release=rt.release),
     }
     engine = Engine(target, EngineConfig(max_num_seqs=1, max_model_len=max_len, max_draft_len=K), proposers)

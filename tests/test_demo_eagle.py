@@ -12,7 +12,7 @@ from specserve.engine import Engine, EngineConfig, GenerationRequest
 from specserve.model import load_model
 from specserve.proposers.eagle import EagleProposer, load_eagle
 from specserve.proposers.eagle_export import export
-from specserve.proposers.eagle_onnx import CalibrationOnnxRuntime, DraftBatch, EagleOnnxRuntime
+from specserve.proposers.eagle_onnx import CalibrationOnnxRuntime, EagleOnnxRuntime, in_process_call
 from specserve.proposers.remote import RemoteProposer
 from specserve.sampling import SamplingParams
 
@@ -33,13 +33,9 @@ def engine(tmp_path_factory):
     rt = EagleOnnxRuntime(str(report.backbone), target.cfg.num_kv_heads, target.cfg.head_dim)
     cal = CalibrationOnnxRuntime(str(report.calibration))
 
-    def call(inputs):
-        res = rt.draft(DraftBatch(**inputs))
-        return {"draft_tokens": res.tokens, "accept_prob": cal.accept_prob(res.hidden, res.scalars),
-                "unknown": res.unknown}
-
     proposers = {"eagle": EagleProposer(drafter, target, max_num_seqs=4, max_model_len=512, max_draft_len=6),
-                 "eagle_remote": RemoteProposer("eagle_remote", call, max_draft_len=6, release=rt.release)}
+                 "eagle_remote": RemoteProposer("eagle_remote", in_process_call(rt, cal), max_draft_len=6,
+                                                   release=rt.release)}
     tok = Tokenizer.from_file(str(TARGET / "tokenizer.json"))
     lines = (ROOT / "models/demo/heldout_prompts.jsonl").read_text().splitlines()
     prompts = [tok.encode(json.loads(line)["prompt"]).ids for line in lines[:4]]

@@ -14,7 +14,7 @@ from specserve.engine import Engine, EngineConfig, GenerationRequest
 from specserve.model import load_model
 from specserve.proposers.base import DraftRequest
 from specserve.proposers.eagle import EagleProposer
-from specserve.proposers.eagle_onnx import CalibrationOnnxRuntime, DraftBatch, EagleOnnxRuntime
+from specserve.proposers.eagle_onnx import CalibrationOnnxRuntime, EagleOnnxRuntime, in_process_call
 from specserve.proposers.remote import RemoteProposer
 from specserve.sampling import SamplingParams
 from test_eagle import PROMPTS, random_drafter
@@ -51,9 +51,7 @@ class Drafter:
         self.calls += 1
         if self.down:
             raise RuntimeError("model 'eagle_proposal' is not ready")
-        res = self.rt.draft(DraftBatch(**inputs))
-        return {"draft_tokens": res.tokens, "accept_prob": self.cal.accept_prob(res.hidden, res.scalars),
-                "unknown": res.unknown}
+        return in_process_call(self.rt, self.cal)(inputs)
 
 
 def make_engine(target, proposers):

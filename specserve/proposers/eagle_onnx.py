@@ -154,3 +154,15 @@ class CalibrationOnnxRuntime:
         p = self.session.run(["accept_prob"], {"hidden": hidden.reshape(B * K, D).astype(np.float32),
                                                "scalars": scalars.reshape(B * K, 3).astype(np.float32)})[0]
         return p.reshape(B, K)
+
+
+def in_process_call(backbone: EagleOnnxRuntime, calibration: CalibrationOnnxRuntime):
+    """What the `eagle_proposal` ensemble computes, as a RemoteProposer `call` without a server
+    (benchmarks and tests): backbone draft, then the calibration head on its positions."""
+
+    def call(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        res = backbone.draft(DraftBatch(**inputs))
+        return {"draft_tokens": res.tokens, "accept_prob": calibration.accept_prob(res.hidden, res.scalars),
+                "unknown": res.unknown}
+
+    return call
