@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -58,6 +59,12 @@ class SpecStats:
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     proposer_errors: int = 0        # steps whose draft failed (decoded plainly instead)
+    # Wall time of the decode steps this request took part in, split into the proposer call
+    # (drafting; for a remote drafter this includes the BLS round trip) and the verify forward
+    # with acceptance. In a batched step every row is charged the whole step: exact at
+    # concurrency 1, an upper bound per request otherwise.
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -81,7 +88,8 @@ class SpecStats:
                 "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
                 "mean_acceptance_length": round(self.mean_acceptance_length, 4),
                 "acceptance_rate_per_position": [round(r, 4) for r in rates],
-                "proposer_errors": self.proposer_errors}
+                "proposer_errors": self.proposer_errors,
+                "draft_seconds": round(self.draft_seconds, 6), "verify_seconds": round(self.verify_seconds, 6)}
 
 
 @dataclass
@@ -90,6 +98,11 @@ class GenerationRequest:
     prompt_ids: list[int]
     params: SamplingParams
     method: str | None = None  # None → the engine's default method
+    # Per-request draft policy (a tier's defaults arrive this way too). None → the engine's and
+    # proposer's defaults. num_draft_tokens caps the tokens drafted per step (≤ max_draft_len);
+    # spec_threshold is the calibration head's stop threshold (0 = always draft the full length).
+    num_draft_tokens: int | None = None
+    spec_threshold: float | None = None
 
 
 @dataclass
@@ -173,6 +186,13 @@ class Engine:
         method = req.method or self.cfg.default_method
         if method not in self.proposers:
             raise RequestRejected(f"unknown spec_method {method!r}; available: {', '.join(self.methods)}")
+        k = req.num_draft_tokens
+        if k is not None and not (isinstance(k, int) and 0 <= k <= self.cfg.max_draft_len):
+            raise RequestRejected(f"num_draft_tokens must be an integer in [0, {self.cfg.max_draft_len}] "
+                                  f"(the server's max_draft_len), got {k!r}")
+        th = req.spec_threshold
+        if th is not None and not (isinstance(th, (int, float)) and 0.0 <= th <= 1.0):
+            raise RequestRejected(f"spec_threshold must be a number in [0, 1], got {th!r}")
         if req.params.stop and self.detokenize is None:
             raise RequestRejected("stop strings need a tokenizer; this engine has none")
         if req.request_id in self._by_id:
@@ -276,12 +296,14 @@ class Engine:
             requests = []
             for s in group:
                 # Never draft past max_tokens or the model length: the step adds one more token.
-                room = min(self.cfg.max_draft_len, s.req.params.max_tokens - s.num_output - 1,
+                cap = self.cfg.max_draft_len if s.req.num_draft_tokens is None else s.req.num_draft_tokens
+                room = min(cap, s.req.params.max_tokens - s.num_output - 1,
                            self.cfg.max_model_len - len(s.tokens))
                 requests.append(DraftRequest(s.seq_id, s.tokens, max(room, 0), s.req.params,
-                                             s.generator, s.features))
+                                             s.generator, s.features, s.req.spec_threshold))
                 s.features = None
             proposer = group[0].proposer
+            t0 = time.perf_counter()
             try:
                 got = proposer.propose(requests)
             except ProposerError as e:
@@ -290,6 +312,10 @@ class Engine:
                 got = [Draft.empty() for _ in group]
                 for s in group:
                     s.stats.proposer_errors += 1
+            finally:
+                elapsed = time.perf_counter() - t0
+                for s in group:
+                    s.stats.draft_seconds += elapsed
             if len(got) != len(group):
                 raise RuntimeError(f"proposer {name} returned {len(got)} drafts for {len(group)} requests")
             for s, r, d in zip(group, requests, got):
@@ -299,6 +325,7 @@ class Engine:
 
     def _decode(self, seqs: list[_Sequence]) -> None:
         drafts = self._draft(seqs)
+        t0 = time.perf_counter()
         T = 1 + max(len(d) for d in drafts)
         B = len(seqs)
         tokens = torch.zeros(B, T, dtype=torch.long)
@@ -320,6 +347,9 @@ class Engine:
             outcomes.setdefault(s.proposer.name, []).append(
                 StepOutcome(s.seq_id, len(d), verdict.accepted_nodes, verdict.emitted))
             self._emit(s, verdict.emitted)
+        elapsed = time.perf_counter() - t0
+        for s in seqs:
+            s.stats.verify_seconds += elapsed
         for name, outs in outcomes.items():
             self.proposers[name].observe(outs)
 

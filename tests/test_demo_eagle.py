@@ -52,3 +52,34 @@ def test_demo_eagle_greedy_equals_plain(engine, method):
     stats = [o.stats for o in spec.values()]
     # A trained drafter drafts and gets tokens accepted on held-out text.
     assert sum(s.accepted_tokens for s in stats) > 0 and all(s.proposer_errors == 0 for s in stats)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle_remote"])
+def test_per_request_draft_policy(engine, method):
+    """num_draft_tokens caps each step's draft; spec_threshold=0 turns the calibration stop off
+    (a fixed length), 1.0 stops before any token the head is not certain of. All stay lossless."""
+    eng, prompts = engine
+    n = 40
+
+    def run(tag, **policy):
+        out = eng.generate([GenerationRequest(f"{tag}{i}", p, SamplingParams(max_tokens=n), method, **policy)
+                            for i, p in enumerate(prompts)])
+        return [out[f"{tag}{i}"] for i in range(len(prompts))]
+
+    plain = eng.generate([GenerationRequest(f"p{i}", p, SamplingParams(max_tokens=n), "none")
+                          for i, p in enumerate(prompts)])
+    fixed = run("fixed", num_draft_tokens=3, spec_threshold=0.0)
+    strict = run("strict", spec_threshold=1.0)
+    adaptive = run("adaptive")
+    for i in range(len(prompts)):
+        want = plain[f"p{i}"].new_token_ids
+        assert fixed[i].new_token_ids == want and strict[i].new_token_ids == want
+        assert adaptive[i].new_token_ids == want
+    for o in fixed:
+        st = o.stats
+        # Every step drafts exactly 3, except the last ones, where max_tokens leaves less room.
+        assert st.draft_tokens <= 3 * st.steps and st.draft_tokens >= 3 * (st.steps - 3)
+        assert st.draft_seconds > 0 and st.verify_seconds > 0
+    # With 1.0 only tokens whose predicted acceptance rounds to exactly 1.0 in float32 survive.
+    n_strict, n_adaptive = (sum(o.stats.draft_tokens for o in runs) for runs in (strict, adaptive))
+    assert n_strict * 10 < n_adaptive, (n_strict, n_adaptive)

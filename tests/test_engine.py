@@ -157,6 +157,10 @@ def test_admission_errors_are_clear(llama_ckpt):
         (req("e7", [1, 2], "none", top_k=-3), "top_k must be an integer >= 0"),
         (req("e8", [1, 99999], "none"), r"prompt token ids must lie in \[0, 512\)"),
         (req("e9", [1, 2], "none", stop=("x",)), "stop strings need a tokenizer"),
+        (GenerationRequest("e10", [1, 2], SamplingParams(max_tokens=4), "ngram", num_draft_tokens=9),
+         r"num_draft_tokens must be an integer in \[0, 8\] \(the server's max_draft_len\), got 9"),
+        (GenerationRequest("e11", [1, 2], SamplingParams(max_tokens=4), "ngram", spec_threshold=1.5),
+         r"spec_threshold must be a number in \[0, 1\], got 1.5"),
     ]
     for bad, msg in cases:
         with pytest.raises(RequestRejected, match=msg):

@@ -39,12 +39,15 @@ def decode(ckpt):
 
 # -- sampling_parameters -------------------------------------------------------------------------
 def test_parse_sampling_parameters_accepts_the_known_keys():
-    sampling, method = parse_sampling_parameters(json.dumps(
-        {"max_tokens": 5, "temperature": 1, "top_p": 0.5, "top_k": 3, "seed": 1, "stop": "x", "spec_method": "ngram"}))
+    sampling, spec = parse_sampling_parameters(json.dumps(
+        {"max_tokens": 5, "temperature": 1, "top_p": 0.5, "top_k": 3, "seed": 1, "stop": "x", "spec_method": "ngram",
+         "num_draft_tokens": 4, "spec_threshold": 0}))
     assert sampling == {"max_tokens": 5, "temperature": 1.0, "top_p": 0.5, "top_k": 3, "seed": 1, "stop": ["x"]}
-    assert method == "ngram"
-    assert parse_sampling_parameters(None) == ({}, None)
-    assert parse_sampling_parameters("  ") == ({}, None)
+    assert spec == {"spec_method": "ngram", "num_draft_tokens": 4, "spec_threshold": 0.0}
+    config = make_request_config('{"num_draft_tokens": "4", "spec_threshold": "0.5"}', True, None)
+    assert (config.spec_method, config.num_draft_tokens, config.spec_threshold) == (None, 4, 0.5)
+    assert parse_sampling_parameters(None) == ({}, {})
+    assert parse_sampling_parameters("  ") == ({}, {})
 
 
 @pytest.mark.parametrize("raw,message", [
@@ -56,6 +59,8 @@ def test_parse_sampling_parameters_accepts_the_known_keys():
     ('{"temperature": "hot"}', "temperature must be a number"),
     ('{"stop": [1]}', "stop must be a string or a list of strings"),
     ('{"spec_method": 3}', "spec_method must be a string"),
+    ('{"num_draft_tokens": 2.5}', "num_draft_tokens must be an integer"),
+    ('{"spec_threshold": "high"}', "spec_threshold must be a number"),
     (b"\xff", "not valid UTF-8"),
 ])
 def test_parse_sampling_parameters_rejects(raw, message):
@@ -234,10 +239,10 @@ def test_service_rejects_with_a_message_and_cancels(service):
 
 
 def test_numbers_and_booleans_as_strings_are_accepted_like_the_vllm_backend():
-    sampling, method = parse_sampling_parameters(
+    sampling, spec = parse_sampling_parameters(
         '{"max_tokens": "64", "temperature": "0.5", "top_k": " 3 ", "ignore_eos": "true", "spec_method": "ngram"}')
     assert sampling == {"max_tokens": 64, "temperature": 0.5, "top_k": 3, "ignore_eos": True}
-    assert method == "ngram"
+    assert spec == {"spec_method": "ngram"}
     with pytest.raises(BadRequest, match='sampling_parameters.max_tokens must be an integer, got "6.5"'):
         parse_sampling_parameters('{"max_tokens": "6.5"}')
     with pytest.raises(BadRequest, match='sampling_parameters.ignore_eos must be a boolean, got "maybe"'):

@@ -67,6 +67,9 @@ class DraftRequest:
     # Target features (final hidden states, [n, D]) of the tokens committed since the previous
     # request for this sequence; only filled for proposers with `needs_features`.
     features: torch.Tensor | None = None
+    # The request's calibration stop threshold; None → the proposer's own default. Proposers
+    # without a calibration head ignore it.
+    threshold: float | None = None
 
 
 @dataclass

@@ -254,6 +254,9 @@ class EagleProposer:
         tokens: list[list[int]] = [[] for _ in range(B)]
         probs: list[list[torch.Tensor]] = [[] for _ in range(B)]
         active = [lim > 0 for lim in limits]
+        # Per-row stop threshold (a request may override the proposer's); 0 or None = fixed length.
+        thresholds = [self._threshold(r) for r in requests]
+        calibrate = any(thresholds)
         cum = [1.0] * B
         slots = [self._seqs[r.seq_id].slot for r in requests]
         base = [self._seqs[r.seq_id].valid for r in requests]
@@ -261,7 +264,7 @@ class EagleProposer:
             if not any(active):
                 break
             logits = self.target.logits(h)  # [B, V]
-            p_accept = self._calibrate(h, logits, j)
+            p_accept = self._calibrate(h, logits, j) if calibrate else None
             picked = []
             for b, r in enumerate(requests):
                 if not active[b]:
@@ -272,9 +275,9 @@ class EagleProposer:
                 else:
                     q = target_probs(logits[b:b + 1], r.params)[0]
                     tok = int(torch.multinomial(q, 1, generator=r.generator))
-                if p_accept is not None:
+                if p_accept is not None and thresholds[b]:
                     cum[b] *= float(p_accept[b])
-                    if cum[b] < self.threshold:
+                    if cum[b] < thresholds[b]:
                         active[b] = False
                         picked.append(0)
                         continue
@@ -292,9 +295,12 @@ class EagleProposer:
             h = self._run(h[:, None], nxt, slots, starts, [[-1]] * B, 1)[:, 0]
         return [Draft.chain(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
 
-    def _calibrate(self, h: torch.Tensor, logits: torch.Tensor, j: int) -> torch.Tensor | None:
-        if self.threshold is None:
+    def _threshold(self, r: DraftRequest) -> float | None:
+        if self.drafter.calibration is None:
             return None
+        return self.threshold if r.threshold is None else r.threshold
+
+    def _calibrate(self, h: torch.Tensor, logits: torch.Tensor, j: int) -> torch.Tensor:
         scalars = CalibrationHead.scalar_features(logits, j)
         return torch.sigmoid(self.drafter.calibration(h, scalars))  # [B]
 

@@ -109,17 +109,19 @@ class RemoteProposer:
         drafts = []
         for i, r in enumerate(requests):
             self._seqs[r.seq_id].remote_valid = len(r.token_ids) - 1
-            drafts.append(Draft.chain(self._cut(tokens[i], None if probs is None else probs[i])))
+            threshold = self.threshold if r.threshold is None else r.threshold
+            drafts.append(Draft.chain(self._cut(tokens[i], None if probs is None else probs[i], threshold)))
         return drafts
 
-    def _cut(self, tokens: np.ndarray, probs: np.ndarray | None) -> list[int]:
+    @staticmethod
+    def _cut(tokens: np.ndarray, probs: np.ndarray | None, threshold: float | None) -> list[int]:
         keep, cum = [], 1.0
         for j, t in enumerate(tokens.tolist()):
             if t < 0:
                 break
-            if probs is not None and self.threshold is not None:
+            if probs is not None and threshold:
                 cum *= float(probs[j])
-                if cum < self.threshold:
+                if cum < threshold:
                     break
             keep.append(int(t))
         return keep

@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 # The keys a client may send, with the JSON types each accepts. `spec_method` overrides the
-# tier's speculation method ("none" = plain decoding).
+# tier's speculation method ("none" = plain decoding); `num_draft_tokens` caps the tokens drafted
+# per step and `spec_threshold` sets the calibration head's stop threshold (0 = fixed length).
 _INT, _NUM, _BOOL = "an integer", "a number", "a boolean"
 SAMPLING_KEYS: dict[str, str] = {
     "max_tokens": _INT,
@@ -24,7 +25,10 @@ SAMPLING_KEYS: dict[str, str] = {
     "stop": "a string or a list of strings",
     "ignore_eos": _BOOL,
     "spec_method": "a string",
+    "num_draft_tokens": _INT,
+    "spec_threshold": _NUM,
 }
+SPEC_KEYS = ("spec_method", "num_draft_tokens", "spec_threshold")  # the draft policy, not sampling
 
 
 class BadRequest(ValueError):
@@ -35,6 +39,8 @@ class BadRequest(ValueError):
 class RequestConfig:
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields the client set
     spec_method: str | None = None   # None → the tier's / engine's default method
+    num_draft_tokens: int | None = None  # None → the server's max_draft_len
+    spec_threshold: float | None = None  # None → the server's --spec-threshold
     stream: bool = False             # stream one response per engine output, or one at the end
     include_prompt: bool = False     # text_output starts with the prompt text
     tier: str = "default"
@@ -90,17 +96,17 @@ def _check_type(key: str, value: Any) -> Any:
     raise BadRequest(f"sampling_parameters.{key} must be {kind}, got {json.dumps(value)}")
 
 
-def parse_sampling_parameters(raw: str | bytes | None) -> tuple[dict[str, Any], str | None]:
-    """JSON object text → (SamplingParams keyword arguments, spec_method or None)."""
+def parse_sampling_parameters(raw: str | bytes | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """JSON object text → (SamplingParams keyword arguments, the draft-policy keys that were set)."""
     if raw is None:
-        return {}, None
+        return {}, {}
     if isinstance(raw, bytes):
         try:
             raw = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise BadRequest("sampling_parameters is not valid UTF-8") from None
     if not raw.strip():
-        return {}, None
+        return {}, {}
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError as e:
@@ -112,15 +118,15 @@ def parse_sampling_parameters(raw: str | bytes | None) -> tuple[dict[str, Any], 
         raise BadRequest(f"unknown sampling_parameters key(s): {', '.join(unknown)}; "
                          f"allowed: {', '.join(SAMPLING_KEYS)}")
     checked = {k: _check_type(k, v) for k, v in obj.items()}
-    spec_method = checked.pop("spec_method", None)
-    return checked, spec_method
+    spec = {k: checked.pop(k) for k in SPEC_KEYS if k in checked}
+    return checked, spec
 
 
 def make_request_config(sampling_parameters: str | bytes | None, stream: bool | None,
                         exclude_input_in_output: bool | None, tier: str = "default") -> RequestConfig:
     """Apply the vLLM backend's defaults: the prompt is included unless excluded, except when
     streaming, where responses carry only new text unless the client asks for the prompt."""
-    sampling, method = parse_sampling_parameters(sampling_parameters)
+    sampling, spec = parse_sampling_parameters(sampling_parameters)
     stream = bool(stream)
     include = (not stream) if exclude_input_in_output is None else not exclude_input_in_output
-    return RequestConfig(sampling=sampling, spec_method=method, stream=stream, include_prompt=include, tier=tier)
+    return RequestConfig(sampling=sampling, stream=stream, include_prompt=include, tier=tier, **spec)

@@ -109,7 +109,8 @@ class VerifierService:
         except TypeError as e:  # a direct caller of target_verifier skipped preprocess's checks
             raise RequestRejected(f"bad sampling parameters: {e}") from None
         rid = f"{self._prefix}-{next(self._ids)}"
-        req = GenerationRequest(rid, list(prompt_ids), params, config.spec_method)
+        req = GenerationRequest(rid, list(prompt_ids), params, config.spec_method,
+                                num_draft_tokens=config.num_draft_tokens, spec_threshold=config.spec_threshold)
         method = config.spec_method or self.engine.cfg.default_method
         num_sent = 0 if config.include_prompt else len(prompt_ids)
         stream = _Stream(rid, sender, config, method, list(prompt_ids), len(prompt_ids), num_sent)
