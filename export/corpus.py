@@ -213,12 +213,18 @@ def _function_prompts(doc: Document) -> list[dict]:
 
 
 def heldout_prompts(manifest: dict, n_code: int = 32, n_prose: int = 8, root: Path | None = None) -> list[dict]:
-    """A fixed prompt set from held-out documents only: function headers and prose openings.
+    """A fixed prompt set from held-out documents only: function headers and prose openings."""
+    return split_prompts(manifest, "heldout", n_code, n_prose, root)
 
-    Code prompts are spread evenly over all documented held-out functions (so no one module
-    dominates); prose prompts are paragraph openings of the held-out help topics.
+
+def split_prompts(manifest: dict, split: str, n_code: int, n_prose: int, root: Path | None = None) -> list[dict]:
+    """Function headers and prose openings from one split's documents (the serving-like prompts:
+    `heldout` for evaluation, `train` for fitting the EAGLE calibration head on the same kind).
+
+    Code prompts are spread evenly over all documented functions of the split (so no one module
+    dominates); prose prompts are paragraph openings of its help topics and module docstrings.
     """
-    docs = documents(manifest, "heldout", root)
+    docs = documents(manifest, split, root)
     funcs = [p for d in docs if not d.name.startswith("topics:") for p in _function_prompts(d)]
     picked = [funcs[i * len(funcs) // n_code] for i in range(min(n_code, len(funcs)))]
     # Held-out help topics are few and short, so module docstrings (prose about the module) of

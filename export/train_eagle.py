@@ -11,8 +11,11 @@ Self-distillation (no labels from anywhere but the target):
             its own imperfect features when it autoregresses;
   calibration  draft --calib-draft-len tokens (no early stop) against the target on training
             prompts through the real engine; each drafted position that was reached is one
-            example (features → accepted or not); a small head is fit with BCE. Its calibration
-            (predicted vs observed acceptance by bucket) on held-out prompts goes to calibration.json.
+            example (features → accepted or not); a small head is fit with BCE. The prompts are
+            corpus windows plus prompts shaped like the serving traffic (--calib-prompts-file, or
+            for the demo corpus its train split's function headers and prose openings), since a
+            head fit on one kind of text is over-confident on another. Its calibration (predicted
+            vs observed acceptance by bucket) on held-out prompts goes to training.json.
 
 Deterministic (--seed), resumable (checkpoints in --work-dir every --ckpt-every steps), with
 progress bars. Example (the demo drafter):
@@ -232,7 +235,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--noise", type=float, default=0.05)
     ap.add_argument("--self-prompts", type=int, default=32, help="target continuations to generate")
     ap.add_argument("--self-new-tokens", type=int, default=128)
-    ap.add_argument("--calib-prompts", type=int, default=48)
+    ap.add_argument("--calib-prompts", type=int, default=48, help="corpus windows to fit the calibration head on")
+    ap.add_argument("--calib-serving-prompts", type=int, default=64,
+                    help="serving-like prompts to fit it on too (0: none); from --calib-prompts-file, or the "
+                         "demo corpus' train split (function headers and prose openings)")
+    ap.add_argument("--calib-prompts-file", type=Path, default=None,
+                    help="serving-like prompts, separated by blank lines")
     ap.add_argument("--calib-draft-len", type=int, default=8)
     ap.add_argument("--calib-new-tokens", type=int, default=64)
     ap.add_argument("--calib-epochs", type=int, default=30)
@@ -319,6 +327,9 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(args.seed + 1)
     starts = [rng.randrange(0, len(stream) - args.seq_len) for _ in range(args.calib_prompts)]
     train_prompts = [stream[s:s + args.seq_len // 2] for s in starts]
+    serving_like = serving_like_prompts(tokenizer, args.calib_prompts_file, args.text_file,
+                                        args.calib_serving_prompts)
+    train_prompts += serving_like
     h, s, y = collect_calibration(drafter, target, train_prompts, draft_len=args.calib_draft_len,
                                   new_tokens=args.calib_new_tokens, desc="calib-train")
     drafter.calibration.requires_grad_(True)
@@ -336,11 +347,29 @@ def main(argv: list[str] | None = None) -> None:
                "tokens_seen": args.steps * args.batch * args.seq_len, "seed": args.seed,
                "wall_time_s": round(time.time() - t_start, 1),
                "final_teacher_forced_top1": round(sum(r["top1"] for r in log_rows[-20:]) / max(1, len(log_rows[-20:])), 4),
+               "calibration_prompts": {"corpus_windows": len(starts), "serving_like": len(serving_like)},
                "calibration": report, "command": " ".join(sys.argv)}
     (args.out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     (args.out / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log_rows))
     print(json.dumps({k: v for k, v in summary.items() if k != "calibration"}, indent=2))
     print(json.dumps(report, indent=2))
+
+
+def serving_like_prompts(tokenizer, prompts_file: Path | None, text_file: Path | None, n: int) -> list[list[int]]:
+    """Up to n prompts of the kind the server will see, never from the held-out split."""
+    if n <= 0:
+        return []
+    if prompts_file is not None:
+        texts = [t for t in prompts_file.read_text(encoding="utf-8").split("\n\n") if t.strip()]
+    elif text_file is None:
+        sys.path.insert(0, str(ROOT / "export"))
+        import corpus
+
+        n_prose = n // 4
+        texts = [p["prompt"] for p in corpus.split_prompts(corpus.load_manifest(), "train", n - n_prose, n_prose)]
+    else:
+        return []  # a custom corpus: its windows are all we know about the traffic
+    return [tokenizer.encode(t).ids for t in texts[:n]]
 
 
 def heldout_prompts(tokenizer, heldout_file: Path | None) -> list[list[int]]:

@@ -22,7 +22,7 @@ def run(target, text, out, work, steps, *extra):
                       "--heldout-file", str(text), "--work-dir", str(work), "--steps", str(steps),
                       "--seq-len", "48", "--batch", "2", "--self-prompts", "2", "--self-new-tokens", "8",
                       "--calib-prompts", "4", "--calib-new-tokens", "8", "--calib-epochs", "2",
-                      "--ckpt-every", "5", *extra])
+                      "--calib-prompts-file", str(text), "--ckpt-every", "5", *extra])
 
 
 def test_train_eagle_is_deterministic_and_resumes(tmp_path):
@@ -44,5 +44,7 @@ def test_train_eagle_is_deterministic_and_resumes(tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
     summary = json.loads((tmp_path / "straight" / "training.json").read_text())
     assert summary["steps"] == 10 and summary["calibration"]["heldout"]["examples"] > 0
+    chunks = [t for t in text.read_text().split("\n\n") if t.strip()]
+    assert summary["calibration_prompts"] == {"corpus_windows": 4, "serving_like": min(64, len(chunks))}
     log = (tmp_path / "straight" / "train_log.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in log] == list(range(1, 11))

@@ -27,6 +27,7 @@ class Completion:
     num_output_tokens: int
     spec_stats: dict = field(default_factory=dict)
     ttft_s: float = 0.0               # first response with text
+    first_response_s: float = 0.0     # first response of any kind (carries the prefill's token)
     total_s: float = 0.0
 
 
@@ -80,6 +81,8 @@ class StreamClient:
             result, error = results.get(timeout=timeout)
             if error is not None:
                 raise CompletionError(str(error.message() if hasattr(error, "message") else error))
+            if not out.first_response_s:
+                out.first_response_s = time.monotonic() - start
             text = result.as_numpy(schema.TEXT_OUTPUT.name)
             if text is not None:
                 piece = text.reshape(-1)[0].decode("utf-8")

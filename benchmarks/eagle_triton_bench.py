@@ -1,0 +1,236 @@
+"""EAGLE through Triton: the issue-5 measurement list, every configuration in one run.
+
+Greedy, one request at a time, held-out prompts, on two tritonservers started side by side —
+one with the drafter FUSED in the engine, one with it REMOTE (the `eagle_proposal` ensemble of
+ONNX models, called by BLS once per step). Prompt by prompt, every configuration runs once, in
+an order rotated per prompt, so ratios never come from different runs or machine states:
+
+    none          plain decoding (fused server)
+    eagle         calibration head, threshold T, up to K tokens (fused)
+    eagle_fixed4  4 tokens every step, calibration stop off (fused; num_draft_tokens=4, spec_threshold=0)
+    eagle_remote  as `eagle`, drafter in the remote placement
+    none_remote   plain decoding on the remote server (its baseline: both servers equal?)
+
+    python benchmarks/eagle_triton_bench.py [--prompts 16] [--new-tokens 64] [--out F.json]
+
+Per configuration: mean acceptance length (accepted + 1 per step, DESIGN.md §4), drafted and
+verified tokens per step, tokens/s and the wall-clock speedup over `none`, and where a decode step
+goes (ms): the proposer call, the verify forward with acceptance, and the rest (engine
+bookkeeping, detokenising, the response path through Triton), all from the engine's own
+per-request timers plus the client's clock. For the remote placement, Triton's statistics for
+`eagle_backbone` and `calibration_head` split the proposer call into model compute and the BLS /
+ensemble transport around it. Greedy outputs of every configuration must equal `none`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# name → (server, sampling-parameter overrides)
+CONFIGS: dict[str, tuple[str, dict]] = {
+    "none": ("fused", {"spec_method": "none"}),
+    "eagle": ("fused", {"spec_method": "eagle"}),
+    "eagle_fixed4": ("fused", {"spec_method": "eagle", "num_draft_tokens": 4, "spec_threshold": 0}),
+    "eagle_remote": ("remote", {"spec_method": "eagle"}),
+    "none_remote": ("remote", {"spec_method": "none"}),
+}
+DRAFTER_MODELS = ("eagle_proposal", "eagle_backbone", "calibration_head")
+
+
+@dataclass
+class Tally:
+    requests: int = 0
+    seconds: float = 0.0        # client wall clock, request sent → final response
+    ttft: float = 0.0           # … → first response, which carries the prefill's token
+    tokens: int = 0
+    steps: int = 0
+    accepted: int = 0
+    drafted: int = 0
+    draft_s: float = 0.0        # engine: proposer calls
+    verify_s: float = 0.0       # engine: verify forward + acceptance
+    texts: list = field(default_factory=list)
+
+    def add(self, out) -> None:
+        st = out.spec_stats
+        self.requests += 1
+        self.seconds += out.total_s
+        self.ttft += out.first_response_s
+        self.tokens += out.num_output_tokens
+        self.steps += st["steps"]
+        self.accepted += st["accepted_tokens"]
+        self.drafted += st["draft_tokens"]
+        self.draft_s += st["draft_seconds"]
+        self.verify_s += st["verify_seconds"]
+        self.texts.append(out.text)
+
+    def row(self, base: "Tally") -> dict:
+        steps = max(1, self.steps)
+        decode_ms = 1e3 * (self.seconds - self.ttft) / steps
+        draft_ms, verify_ms = 1e3 * self.draft_s / steps, 1e3 * self.verify_s / steps
+        tps, base_tps = self.tokens / self.seconds, base.tokens / base.seconds
+        return {"requests": self.requests, "output_tokens": self.tokens, "steps": self.steps, "tok_s": round(tps, 2),
+                "speedup_vs_none": round(tps / base_tps, 3),
+                "mean_acceptance_length": round((self.accepted + self.steps) / steps, 3),
+                "draft_tokens_per_step": round(self.drafted / steps, 3),
+                "verified_tokens_per_step": round((self.drafted + self.steps) / steps, 3),
+                "step_ms": round(decode_ms, 3), "draft_ms": round(draft_ms, 3), "verify_ms": round(verify_ms, 3),
+                "other_ms": round(decode_ms - draft_ms - verify_ms, 3),
+                "ttft_ms": round(1e3 * self.ttft / max(1, self.requests), 2)}
+
+
+def model_stats(client, model: str) -> dict[str, int]:
+    """Triton's cumulative statistics of a model: requests that succeeded and their server-side
+    time (for an ensemble: queueing plus its steps), and compute time (input + infer + output)."""
+    stats = client.get_inference_statistics(model_name=model, as_json=True)
+    out = {"success": 0, "success_ns": 0, "compute_ns": 0}
+    for m in stats.get("model_stats", []):
+        inf = m.get("inference_stats", {})
+        out["success"] += int(inf.get("success", {}).get("count", 0))
+        out["success_ns"] += int(inf.get("success", {}).get("ns", 0))
+        out["compute_ns"] += sum(int(inf.get(k, {}).get("ns", 0))
+                                 for k in ("compute_input", "compute_infer", "compute_output"))
+    return out
+
+
+def start_server(target: Path, drafter: Path, placement: str, work: Path, args):
+    from specserve.triton.launch import Ports, TritonServer
+    from specserve.triton.render import RepositorySettings, render_repository
+
+    run_dir = work / placement
+    repo = render_repository(RepositorySettings(target, max_num_seqs=2, max_model_len=args.max_model_len,
+                                                max_draft_len=args.max_draft_len, default_method="none",
+                                                drafters=(("eagle", str(drafter)),), placement=placement,
+                                                spec_threshold=args.threshold),
+                             run_dir / "model_repository")
+    return TritonServer(repo, run_dir, Ports.free(), log_file=run_dir / "tritonserver.log").start()
+
+
+def goal_line(name: str, value: float, goal: float, unit: str = "") -> str:
+    if value >= goal:
+        return f"{name}: {value:.2f}{unit} — goal ≥ {goal}{unit} met"
+    return f"{name}: {value:.2f}{unit} — goal ≥ {goal}{unit} MISSED by {goal - value:.2f}{unit} ({value / goal:.0%} of it)"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, default=ROOT / "models/demo/target")
+    ap.add_argument("--drafter", type=Path, default=ROOT / "models/demo/eagle")
+    ap.add_argument("--prompts", type=int, default=16, help="held-out prompts (models/demo/heldout_prompts.jsonl)")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--threshold", type=float, default=0.3, help="the servers' --spec-threshold")
+    ap.add_argument("--max-draft-len", type=int, default=8)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ", ".join(CONFIGS))
+    ap.add_argument("--out", type=Path, default=None, help="write the JSON result here")
+    args = ap.parse_args(argv)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown or "none" not in configs:
+        raise SystemExit(f"--configs must include none and only {', '.join(CONFIGS)}; got {args.configs}")
+
+    from tqdm import tqdm
+    import tritonclient.grpc as grpcclient
+
+    from specserve.triton.client import StreamClient
+
+    lines = (ROOT / "models/demo/heldout_prompts.jsonl").read_text().splitlines()
+    prompts = [json.loads(line)["prompt"] for line in lines[:args.prompts]]
+    if len(prompts) < args.prompts:
+        raise SystemExit(f"only {len(prompts)} held-out prompts available")
+    placements = sorted({CONFIGS[c][0] for c in configs})
+    work = Path(tempfile.mkdtemp(prefix="eagle-triton-bench-", dir=ROOT / "work_dirs"
+                                 if (ROOT / "work_dirs").is_dir() else None))
+    servers, ok = {}, False
+    try:
+        t0 = time.monotonic()
+        for p in placements:
+            servers[p] = start_server(args.target, args.drafter, p, work, args)
+        for s in servers.values():
+            s.wait_ready(timeout=600)
+        print(f"servers ready in {time.monotonic() - t0:.0f} s: " +
+              ", ".join(f"{p} {s.grpc_url}" for p, s in servers.items()), file=sys.stderr)
+        clients = {p: StreamClient(s.grpc_url) for p, s in servers.items()}
+        # Warm-up (not timed): two short requests per configuration.
+        for c in configs * 2:
+            server, policy = CONFIGS[c]
+            clients[server].generate(prompts[0], {"max_tokens": 16, "temperature": 0, **policy})
+        stats_client = grpcclient.InferenceServerClient(servers["remote"].grpc_url) if "remote" in servers else None
+        before = {m: model_stats(stats_client, m) for m in DRAFTER_MODELS} if stats_client else {}
+
+        tallies = {c: Tally() for c in configs}
+        runs = [(i, c) for i in range(len(prompts)) for c in configs[i % len(configs):] + configs[:i % len(configs)]]
+        for i, c in tqdm(runs, desc="requests", unit="req"):
+            server, policy = CONFIGS[c]
+            out = clients[server].generate(prompts[i], {"max_tokens": args.new_tokens, "temperature": 0,
+                                                        "ignore_eos": True, **policy})
+            if out.finish_reason != "length" or out.spec_stats.get("proposer_errors"):
+                raise SystemExit(f"{c} prompt {i}: finish {out.finish_reason}, stats {out.spec_stats}")
+            tallies[c].add(out)
+        after = {m: model_stats(stats_client, m) for m in DRAFTER_MODELS} if stats_client else {}
+        for c in configs:
+            if tallies[c].texts != tallies["none"].texts:
+                raise SystemExit(f"LOSSLESSNESS VIOLATED: {c} greedy output differs from none")
+        ok = True
+    finally:
+        for s in servers.values():
+            s.stop()
+        if ok:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"server logs kept in {work}", file=sys.stderr)
+
+    base = tallies["none"]
+    rows = {c: tallies[c].row(base) for c in configs}
+    result = {"target": str(args.target), "drafter": str(args.drafter), "prompts": len(prompts),
+              "new_tokens": args.new_tokens, "threshold": args.threshold, "max_draft_len": args.max_draft_len,
+              "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+              "command": " ".join(["python", "benchmarks/eagle_triton_bench.py", *(argv or sys.argv[1:])]),
+              "configs": rows}
+    if after and "eagle_remote" in rows:
+        # The proposal ensemble is called once per step (release goes to eagle_backbone alone).
+        d = {m: {k: after[m][k] - before[m][k] for k in after[m]} for m in DRAFTER_MODELS}
+        calls = max(1, d["eagle_proposal"]["success"])
+        call_ms = 1e3 * tallies["eagle_remote"].draft_s / calls
+        ensemble_ms = d["eagle_proposal"]["success_ns"] / 1e6 / calls
+        result["remote_placement"] = {
+            "proposal_calls": calls, "steps": tallies["eagle_remote"].steps,
+            "proposer_call_ms": round(call_ms, 3),
+            "ensemble_server_ms": round(ensemble_ms, 3),
+            "bls_round_trip_ms": round(call_ms - ensemble_ms, 3),
+            "calibration_head_compute_ms": round(d["calibration_head"]["compute_ns"] / 1e6 / calls, 3),
+            "eagle_backbone_executions": d["eagle_backbone"]["success"],
+        }
+        if "eagle" in rows:
+            result["remote_placement"]["extra_draft_ms_per_step_vs_fused"] = round(
+                rows["eagle_remote"]["draft_ms"] - rows["eagle"]["draft_ms"], 3)
+    print("| config | tok/s | speedup vs none | mean acceptance length | draft tok/step | verified tok/step "
+          "| step ms | draft ms | verify ms | other ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for c, r in rows.items():
+        print(f"| {c} | {r['tok_s']} | {r['speedup_vs_none']}× | {r['mean_acceptance_length']} | "
+              f"{r['draft_tokens_per_step']} | {r['verified_tokens_per_step']} | {r['step_ms']} | {r['draft_ms']} | "
+              f"{r['verify_ms']} | {r['other_ms']} |")
+    if "remote_placement" in result:
+        print("remote placement, per proposal call:", json.dumps(result["remote_placement"]))
+    if "eagle" in rows:
+        print(goal_line("eagle mean acceptance length", rows["eagle"]["mean_acceptance_length"], 3.0))
+        print(goal_line("eagle speedup over none", rows["eagle"]["speedup_vs_none"], 2.0, "×"))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""benchmarks/eagle_triton_bench.py on the committed demo model and drafter, two real
+tritonservers (fused and remote placement), held-out prompts: every configuration's greedy text
+equals `none`'s (the script exits otherwise), the per-request draft policy reaches the engine
+through Triton (fixed 4 tokens), the remote drafter is called once per decode step through BLS,
+and the step-time split adds up."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.triton
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("eagle_triton_bench", ROOT / "benchmarks/eagle_triton_bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_eagle_triton_bench_runs_every_configuration(tmp_path):
+    out = tmp_path / "r.json"
+    result = load_bench().main(["--prompts", "2", "--new-tokens", "24", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    rows = result["configs"]
+    assert list(rows) == ["none", "eagle", "eagle_fixed4", "eagle_remote", "none_remote"]
+    for name, r in rows.items():
+        assert r["requests"] == 2 and r["output_tokens"] == 48, name
+        assert all(math.isfinite(v) for v in r.values() if isinstance(v, float)), name
+        assert r["draft_ms"] + r["verify_ms"] <= r["step_ms"] * 1.5, name
+    for name in ("none", "none_remote"):
+        assert rows[name]["mean_acceptance_length"] == 1.0 and rows[name]["draft_tokens_per_step"] == 0
+    # Fixed length 4: every step drafts 4 except where max_tokens leaves less room.
+    assert 3.0 < rows["eagle_fixed4"]["draft_tokens_per_step"] <= 4.0
+    assert rows["eagle"]["mean_acceptance_length"] > 1.5
+    # Same drafter weights in both placements: the same drafts, hence the same acceptance.
+    assert rows["eagle_remote"]["mean_acceptance_length"] == rows["eagle"]["mean_acceptance_length"]
+    remote = result["remote_placement"]
+    assert remote["proposal_calls"] == remote["steps"] == rows["eagle_remote"]["steps"]  # one BLS call per step
+    assert remote["proposal_calls"] > 0 and remote["ensemble_server_ms"] > 0
+    assert remote["proposer_call_ms"] >= remote["ensemble_server_ms"]
