@@ -48,6 +48,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--spec-threshold", type=float, default=0.3,
                    help="EAGLE stops drafting when the calibration head's predicted cumulative "
                         "acceptance falls below this")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="compute dtype of the target and fused drafters; float32 (default) keeps greedy "
+                        "output token-exact vs plain decoding, bfloat16 is faster where the CPU/GPU has bf16 "
+                        "matmuls but may part from plain decoding at near-ties (bf16 rounding)")
     p.add_argument("--work-dir", type=Path, default=Path("work_dirs/serve"),
                    help="where the rendered repository, backends and logs go")
     p.set_defaults(run=_serve)
@@ -144,7 +148,8 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
     repo = render_repository(RepositorySettings(args.target, max_num_seqs=args.max_num_seqs, max_model_len=max_len,
                                                 max_draft_len=args.max_draft_len,
                                                 default_method=args.default_method, drafters=drafters,
-                                                placement=args.placement, spec_threshold=args.spec_threshold),
+                                                placement=args.placement, spec_threshold=args.spec_threshold,
+                                                dtype=args.dtype),
                              work / "model_repository")
     # Remote drafters are hot-loadable: explicit model control, everything loaded at start.
     extra = ["--model-control-mode=explicit", "--load-model=*"] if drafters and args.placement == "remote" else []
@@ -154,7 +159,7 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
     print(f"specserve: serving {args.target} (max_model_len={max_len}, max_num_seqs={args.max_num_seqs}, "
-          f"methods: {', '.join(methods)}; default {args.default_method}) from {repo}", flush=True)
+          f"methods: {', '.join(methods)}; default {args.default_method}; {args.dtype}) from {repo}", flush=True)
     for method, folder in drafters:
         print(f"specserve: drafter {method} from {folder} ({args.placement})", flush=True)
     # One try around everything after start: a signal can arrive at any point (even between

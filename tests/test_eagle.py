@@ -161,3 +161,21 @@ def test_long_prompt_joining_a_long_running_sequence_fits_the_drafter_cache(targ
     plain = engine_with(target, random_drafter(target, seed=6), threshold=None, max_num_seqs=2)
     want = plain.generate([GenerationRequest("late", late.prompt_ids, SamplingParams(max_tokens=8), "none")])
     assert got == want["late"].new_token_ids and engine.num_free_slots == 2
+
+
+def test_bfloat16_target_drafts_with_its_calibration_head(target_path, tmp_path):
+    """A bf16 target (serve --dtype bfloat16) loads its drafter in bf16 with the calibration head
+    kept in fp32, and drafts with the head on; the head's threshold still cuts drafts."""
+    fp32 = load_model(target_path)
+    save_eagle(random_drafter(fp32, seed=4), json.loads(open(f"{target_path}/config.json").read()), tmp_path / "d")
+    target = load_model(target_path, dtype=torch.bfloat16)
+    drafter = load_eagle(tmp_path / "d", target)
+    assert drafter.fc.weight.dtype == torch.bfloat16
+    assert drafter.calibration.out.weight.dtype == torch.float32
+    reqs = [GenerationRequest(f"b{i}", p, SamplingParams(max_tokens=12), "eagle") for i, p in enumerate(PROMPTS)]
+    full = engine_with(target, drafter, threshold=None).generate(reqs)
+    cut = engine_with(target, drafter, threshold=0.99).generate(reqs)
+    n_full = sum(o.stats.draft_tokens for o in full.values())
+    n_cut = sum(o.stats.draft_tokens for o in cut.values())
+    assert n_full > 0 and n_cut < n_full
+    assert all(len(o.new_token_ids) == 12 for o in (*full.values(), *cut.values()))

@@ -32,6 +32,7 @@ def test_eagle_triton_bench_runs_every_configuration(tmp_path):
     rows = result["configs"]
     assert list(rows) == ["none", "eagle", "eagle_fixed4", "eagle_remote", "none_remote"]
     for name, r in rows.items():
+        assert r.pop("identical_to_none") == "2/2", name
         assert r["requests"] == 2 and r["output_tokens"] == 48, name
         assert all(math.isfinite(v) for v in r.values() if isinstance(v, float)), name
         assert r["draft_ms"] + r["verify_ms"] <= r["step_ms"] * 1.5, name

@@ -247,3 +247,13 @@ def test_numbers_and_booleans_as_strings_are_accepted_like_the_vllm_backend():
         parse_sampling_parameters('{"max_tokens": "6.5"}')
     with pytest.raises(BadRequest, match='sampling_parameters.ignore_eos must be a boolean, got "maybe"'):
         parse_sampling_parameters('{"ignore_eos": "maybe"}')
+
+
+def test_build_engine_dtype(ckpt):
+    import torch
+
+    from specserve.triton.factory import EngineSettings, build_engine
+    engine, _ = build_engine(EngineSettings(ckpt, max_num_seqs=1, max_model_len=64, dtype="bfloat16"))
+    assert engine.model.dtype == torch.bfloat16 and engine.cache.k.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, got 'float16'"):
+        build_engine(EngineSettings(ckpt, max_num_seqs=1, max_model_len=64, dtype="float16"))

@@ -134,7 +134,10 @@ def load_eagle(path: str | Path, target: Transformer) -> EagleDrafter:
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise CheckpointError(f"EAGLE drafter {path}: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    return drafter.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+    drafter = drafter.to(device=target.device, dtype=target.dtype)
+    if drafter.calibration is not None:
+        drafter.calibration.float()  # tiny, and it computes in fp32 (its inputs are upcast)
+    return drafter.eval().requires_grad_(False)
 
 
 def save_eagle(drafter: EagleDrafter, target_config: dict, path: str | Path) -> None:

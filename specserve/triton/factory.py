@@ -34,6 +34,7 @@ PROPOSERS: dict[str, Callable[[], "Proposer"]] = {
 # Methods that need a trained drafter (given per deployment in EngineSettings.drafters).
 DRAFTED = ("eagle",)
 PLACEMENTS = ("fused", "remote")
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,11 @@ class EngineSettings:
     drafters: tuple[tuple[str, str], ...] = ()  # (method, drafter folder), e.g. ("eagle", "models/demo/eagle")
     placement: str = "fused"                    # where drafters run: "fused" or "remote"
     spec_threshold: float | None = 0.3          # calibration-head stop threshold (None: fixed length)
+    # Compute dtype of the target and fused drafters. float32 is exact: spec output equals plain
+    # decoding token for token. bfloat16 is ~2× faster to verify on CPUs with bf16 matmuls, but
+    # its kernels round differently for a 1-token step and a K+1-token verify, so outputs may
+    # part at near-ties (each is the target's greedy output up to bf16 rounding).
+    dtype: str = "float32"
 
 
 def available_methods(settings: EngineSettings) -> list[str]:
@@ -80,8 +86,12 @@ def build_engine(settings: EngineSettings):
     from specserve.engine import Engine, EngineConfig
     from specserve.model import load_model
 
+    import torch
+
+    if settings.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {settings.dtype!r}")
     tokenizer = load_tokenizer(settings.checkpoint)
-    model = load_model(settings.checkpoint)
+    model = load_model(settings.checkpoint, dtype=getattr(torch, settings.dtype))
     max_len = settings.max_model_len or default_max_model_len(settings.checkpoint)
     config = EngineConfig(max_num_seqs=settings.max_num_seqs, max_model_len=max_len,
                           max_draft_len=settings.max_draft_len, default_method=settings.default_method)

@@ -39,6 +39,7 @@ class RepositorySettings:
     drafters: tuple[tuple[str, str], ...] = ()  # (method, drafter folder)
     placement: str = "fused"
     spec_threshold: float | None = 0.3
+    dtype: str = "float32"
 
 
 def encode_drafters(drafters: tuple[tuple[str, str], ...]) -> str:
@@ -109,7 +110,7 @@ def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
                                       "max_draft_len": settings.max_draft_len,
                                       "default_method": settings.default_method,
                                       "drafters": encode_drafters(settings.drafters),
-                                      "placement": settings.placement,
+                                      "placement": settings.placement, "dtype": settings.dtype,
                                       "spec_threshold": "" if settings.spec_threshold is None
                                       else settings.spec_threshold},
         schema.POSTPROCESS.name: {"checkpoint": ckpt},

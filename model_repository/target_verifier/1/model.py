@@ -51,7 +51,7 @@ class TritonPythonModel:
                                   max_model_len=int(p["max_model_len"]), max_draft_len=int(p["max_draft_len"]),
                                   default_method=p["default_method"],
                                   drafters=decode_drafters(p.get("drafters", "")),
-                                  placement=p.get("placement", "fused"),
+                                  placement=p.get("placement", "fused"), dtype=p.get("dtype", "float32"),
                                   spec_threshold=float(p["spec_threshold"]) if p.get("spec_threshold") else None)
         engine, _ = build_engine(settings)
         self.metrics = TritonMetrics(pb_utils)
