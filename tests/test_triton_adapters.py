@@ -19,6 +19,9 @@ from specserve.triton.detokenize import TokenWindow, make_window, stable, text_d
 from specserve.triton.params import BadRequest, make_request_config, parse_sampling_parameters
 from specserve.triton.render import RepositorySettings, render_repository
 from specserve.tiny import train_tiny_tokenizer
+from specserve.engine import GenerationRequest
+from specserve.model import CheckpointError
+from specserve.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -257,3 +260,34 @@ def test_build_engine_dtype(ckpt):
     assert engine.model.dtype == torch.bfloat16 and engine.cache.k.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, got 'float16'"):
         build_engine(EngineSettings(ckpt, max_num_seqs=1, max_model_len=64, dtype="float16"))
+
+
+def test_engine_is_built_and_run_on_the_loop_thread(ckpt):
+    """A factory is called on the loop thread (the thread that then decodes); its error reaches
+    the caller of start() instead of leaving a loop without an engine."""
+    import threading
+
+    from specserve.engine_loop import EngineLoop
+    from specserve.triton.factory import EngineSettings, build_engine
+
+    seen = []
+
+    def factory():
+        seen.append(threading.current_thread().name)
+        return build_engine(EngineSettings(ckpt, max_num_seqs=1, max_model_len=64))[0]
+
+    outs = []
+    loop = EngineLoop(factory, outs.append).start()
+    assert seen == ["specserve-engine"] and loop.engine is not None
+    loop.submit(GenerationRequest("r", [1, 2, 3], SamplingParams(max_tokens=3)))
+    deadline = time.monotonic() + 30
+    while not any(o.finished for o in outs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sum(len(o.new_token_ids) for o in outs) == 3
+    loop.stop()
+
+    def broken():
+        raise CheckpointError("no such checkpoint")
+
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        EngineLoop(broken, outs.append).start()

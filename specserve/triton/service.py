@@ -87,8 +87,8 @@ class _Stream:
 
 
 class VerifierService:
-    def __init__(self, engine: Engine, metrics: MetricsSink | None = None):
-        self.engine = engine
+    def __init__(self, engine: Engine | Callable[[], Engine], metrics: MetricsSink | None = None):
+        """`engine` may be a factory, so the engine is built on the loop thread that runs it."""
         self.metrics = metrics
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
@@ -97,6 +97,7 @@ class VerifierService:
         self._prefix = uuid.uuid4().hex[:8]
         self._stopping = threading.Event()
         self.loop = EngineLoop(engine, self._on_output, self._on_failure).start()
+        self.engine: Engine = self.loop.engine
         self._watcher = threading.Thread(target=self._watch_cancellations, name="specserve-cancel",
                                          daemon=True)
         self._watcher.start()

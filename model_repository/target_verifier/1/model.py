@@ -53,9 +53,9 @@ class TritonPythonModel:
                                   drafters=decode_drafters(p.get("drafters", "")),
                                   placement=p.get("placement", "fused"), dtype=p.get("dtype", "float32"),
                                   spec_threshold=float(p["spec_threshold"]) if p.get("spec_threshold") else None)
-        engine, _ = build_engine(settings)
         self.metrics = TritonMetrics(pb_utils)
-        self.service = VerifierService(engine, self.metrics)
+        # Built on the engine's own thread: a model loaded on another thread decodes slower.
+        self.service = VerifierService(lambda: build_engine(settings)[0], self.metrics)
 
     def execute(self, requests):
         for request in requests:
