@@ -52,6 +52,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="compute dtype of the target and fused drafters; float32 (default) keeps greedy "
                         "output token-exact vs plain decoding, bfloat16 is faster where the CPU/GPU has bf16 "
                         "matmuls but may part from plain decoding at near-ties (bf16 rounding)")
+    p.add_argument("--drafter-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="compute dtype of fused drafters (never changes the output, only the speed and the "
+                        "acceptance); auto = bfloat16 where the hardware has bf16 matmuls")
     p.add_argument("--work-dir", type=Path, default=Path("work_dirs/serve"),
                    help="where the rendered repository, backends and logs go")
     p.set_defaults(run=_serve)
@@ -149,7 +152,7 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
                                                 max_draft_len=args.max_draft_len,
                                                 default_method=args.default_method, drafters=drafters,
                                                 placement=args.placement, spec_threshold=args.spec_threshold,
-                                                dtype=args.dtype),
+                                                dtype=args.dtype, drafter_dtype=args.drafter_dtype),
                              work / "model_repository")
     # Remote drafters are hot-loadable: explicit model control, everything loaded at start.
     extra = ["--model-control-mode=explicit", "--load-model=*"] if drafters and args.placement == "remote" else []

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from specserve.engine import Engine, EngineConfig, GenerationRequest
 from specserve.model import load_model
@@ -33,7 +34,10 @@ def engine(tmp_path_factory):
     rt = EagleOnnxRuntime(str(report.backbone), target.cfg.num_kv_heads, target.cfg.head_dim)
     cal = CalibrationOnnxRuntime(str(report.calibration))
 
+    bf16 = load_eagle(DRAFTER, target, dtype=torch.bfloat16)  # bf16 drafting for the fp32 target
     proposers = {"eagle": EagleProposer(drafter, target, max_num_seqs=4, max_model_len=512, max_draft_len=6),
+                 "eagle_bf16": EagleProposer(bf16, target, max_num_seqs=4, max_model_len=512, max_draft_len=6,
+                                             name="eagle_bf16"),
                  "eagle_remote": RemoteProposer("eagle_remote", in_process_call(rt, cal), max_draft_len=6,
                                                    release=rt.release)}
     tok = Tokenizer.from_file(str(TARGET / "tokenizer.json"))
@@ -42,7 +46,7 @@ def engine(tmp_path_factory):
     return Engine(target, EngineConfig(max_num_seqs=4, max_model_len=512, max_draft_len=6), proposers), prompts
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle_remote"])
+@pytest.mark.parametrize("method", ["eagle", "eagle_bf16", "eagle_remote"])
 def test_demo_eagle_greedy_equals_plain(engine, method):
     eng, prompts = engine
     reqs = lambda m: [GenerationRequest(f"{m}{i}", p, SamplingParams(max_tokens=48), m) for i, p in enumerate(prompts)]

