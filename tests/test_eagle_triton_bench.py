@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def load_bench():
     spec = importlib.util.spec_from_file_location("eagle_triton_bench", ROOT / "benchmarks/eagle_triton_bench.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
