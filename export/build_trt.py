@@ -1,9 +1,12 @@
 """Build TensorRT engines from the exported ONNX drafter (GPU machines only).
 
-    python export/build_trt.py --onnx-dir DIR --out DIR [--max-batch 16] [--max-tokens 1024] [--fp16]
+    python export/build_trt.py --onnx-dir DIR --out DIR [--max-batch 16] [--max-tokens 1024]
+        [--max-draft-len 8] [--fp16]
 
 Writes <name>.plan for eagle_backbone.onnx and calibration_head.onnx with one optimisation
-profile covering 1..max-batch rows, 1..max-tokens new pairs and 0..max-tokens cached pairs.
+profile each: the backbone 1..max-batch rows, 1..max-tokens new pairs and 0..max-tokens cached
+pairs; the calibration head 1..max-batch × max-draft-len positions (it scores every drafted
+position of every row in one call).
 Needs the `tensorrt` package (pip install -e '.[gpu]') and a CUDA GPU; without them it exits
 with status 2 and says which is missing — it never writes a placeholder.
 """
@@ -66,12 +69,18 @@ def backbone_shapes(D: int, kv_heads: int, head_dim: int, max_batch: int, max_to
     }
 
 
+def calibration_shapes(D: int, max_batch: int, max_draft_len: int):
+    n = max_batch * max_draft_len
+    return {"hidden": ((1, D), (n, D), (n, D)), "scalars": ((1, 3), (n, 3), (n, 3))}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--onnx-dir", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=1024)
+    ap.add_argument("--max-draft-len", type=int, default=8, help="the server's --max-draft-len")
     ap.add_argument("--fp16", action="store_true")
     args = ap.parse_args(argv)
     why = missing_requirements()
@@ -89,9 +98,8 @@ def main(argv: list[str] | None = None) -> int:
           backbone_shapes(D, kv_heads, head_dim, args.max_batch, args.max_tokens), args.fp16)
     cal = args.onnx_dir / "calibration_head.onnx"
     if cal.is_file():
-        n = args.max_batch
-        build(cal, args.out / "calibration_head.plan",
-              {"hidden": ((1, D), (n, D), (n, D)), "scalars": ((1, 3), (n, 3), (n, 3))}, args.fp16)
+        build(cal, args.out / "calibration_head.plan", calibration_shapes(D, args.max_batch, args.max_draft_len),
+              args.fp16)
     print(f"wrote TensorRT engines to {args.out}")
     return 0
 

@@ -85,3 +85,45 @@ def test_build_trt_refuses_without_gpu(exported, tmp_path, capsys):
     assert build_trt.main(["--onnx-dir", ".", "--out", str(tmp_path)]) == 2
     assert "cannot build TensorRT engines here" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_tensorrt_profiles_cover_what_the_remote_drafter_feeds(exported):
+    """build_trt's optimisation profiles (checked here on CPU, built only on a GPU) must admit
+    every input shape the remote runtime sends: record them while drafting for 4 sequences
+    (prompts of up to 40 pairs, then steps) and compare with the profiles' [min, max]."""
+    import build_trt
+    from specserve.proposers.eagle_onnx import CalibrationOnnxRuntime, DraftBatch, EagleOnnxRuntime
+
+    target, drafter, report = exported
+    c = target.cfg
+    rt = EagleOnnxRuntime(str(report.backbone), c.num_kv_heads, c.head_dim)
+    cal = CalibrationOnnxRuntime(str(report.calibration))
+    seen: dict[str, list[tuple]] = {}
+    for runtime in (rt, cal):
+        inner = runtime.session
+
+        class Recorder:
+            def run(self, names, feeds, _inner=inner):
+                for k, v in feeds.items():
+                    seen.setdefault(k, []).append(v.shape)
+                return _inner.run(names, feeds)
+        runtime.session = Recorder()
+    g = torch.Generator().manual_seed(0)
+    B, K, D = 4, 8, c.hidden_size
+    lengths = [40, 1, 17, 33]
+    for step in range(3):
+        n = lengths if step == 0 else [3, 1, 5, 2]
+        T = max(n)
+        batch = DraftBatch(seq_ids=np.arange(B), valid_from=np.array([0] * B if step == 0 else valid),
+                           num_new=np.array(n), features=torch.randn(B, T, D, generator=g).numpy(),
+                           next_tokens=np.ones((B, T), dtype=np.int64), max_draft_len=np.full(B, K))
+        res = rt.draft(batch)
+        cal.accept_prob(res.hidden, res.scalars)
+        valid = (np.array(lengths) if step == 0 else valid + np.array(n))
+    profiles = {**build_trt.backbone_shapes(D, c.num_kv_heads, c.head_dim, max_batch=B, max_tokens=64),
+                **build_trt.calibration_shapes(D, max_batch=B, max_draft_len=K)}
+    assert set(seen) == set(profiles)
+    for name, shapes in seen.items():
+        lo, _, hi = profiles[name]
+        for shape in shapes:
+            assert len(shape) == len(lo) and all(a <= s <= b for a, s, b in zip(lo, shape, hi)), (name, shape, lo, hi)
