@@ -10,8 +10,9 @@ is the ONNX runtime path, not BLS).
         [--prompts 16] [--new-tokens 96] [--out F]
 
 Reports per configuration: mean acceptance length (accepted + 1 per step), draft tokens per
-step, verified tokens per step, decode tokens/s and the speedup over `none`, and where a step's
-time goes (target verify forward vs drafting) for the fused adaptive configuration.
+step, verified tokens per step, tokens/s and the speedup over `none`, and where a step's time
+goes: the proposer call and the verify forward (ms per step, the engine's own timers).
+`benchmarks/eagle_triton_bench.py` measures the same through Triton.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from specserve.proposers.eagle_export import export
 from specserve.proposers.eagle_onnx import CalibrationOnnxRuntime, EagleOnnxRuntime, in_process_call
 from specserve.proposers.remote import RemoteProposer
 from specserve.sampling import SamplingParams
+from specserve.triton.factory import resolve_drafter_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,6 +46,8 @@ class Tally:
     steps: int = 0
     accepted: int = 0
     drafted: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
     outputs: list = field(default_factory=list)
 
     def row(self, base: "Tally") -> dict:
@@ -51,7 +55,9 @@ class Tally:
         return {"tok_s": round(tps, 2), "speedup_vs_none": round(tps / (base.tokens / base.seconds), 3),
                 "mean_acceptance_length": round((self.accepted + self.steps) / max(1, self.steps), 3),
                 "draft_tokens_per_step": round(self.drafted / max(1, self.steps), 3),
-                "verified_tokens_per_step": round((self.drafted + self.steps) / max(1, self.steps), 3)}
+                "verified_tokens_per_step": round((self.drafted + self.steps) / max(1, self.steps), 3),
+                "draft_ms_per_step": round(1e3 * self.draft_s / max(1, self.steps), 3),
+                "verify_ms_per_step": round(1e3 * self.verify_s / max(1, self.steps), 3)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -63,20 +69,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threshold", type=float, default=0.3)
     ap.add_argument("--max-draft-len", type=int, default=8)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--drafter-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                    help="fused drafters' compute dtype, as `specserve serve --drafter-dtype`")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from tokenizers import Tokenizer
 
     target = load_model(args.target)
-    drafter = load_eagle(args.drafter, target)
+    drafter = load_eagle(args.drafter, target, dtype=resolve_drafter_dtype(args.drafter_dtype, target))
     tok = Tokenizer.from_file(str(args.target / "tokenizer.json"))
     lines = (ROOT / "models/demo/heldout_prompts.jsonl").read_text().splitlines()[:args.prompts]
     prompts = [tok.encode(json.loads(line)["prompt"]).ids for line in lines]
     K, n = args.max_draft_len, args.new_tokens
     max_len = 1024
     onnx_dir = Path(tempfile.mkdtemp())
-    report = export(target, drafter, onnx_dir)
+    report = export(target, load_eagle(args.drafter, target), onnx_dir)  # the remote drafter: fp32 ONNX
     rt = EagleOnnxRuntime(str(report.backbone), target.cfg.num_kv_heads, target.cfg.head_dim)
     cal = CalibrationOnnxRuntime(str(report.calibration))
 
@@ -105,6 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
             t.steps += out.stats.steps
             t.accepted += out.stats.accepted_tokens
             t.drafted += out.stats.draft_tokens
+            t.draft_s += out.stats.draft_seconds
+            t.verify_s += out.stats.verify_seconds
             t.outputs.append(out.new_token_ids)
     for m in methods[1:]:
         if tallies[m].outputs != tallies["none"].outputs:
@@ -113,12 +123,15 @@ def main(argv: list[str] | None = None) -> dict:
     rows = {m: tallies[m].row(base) for m in methods}
     result = {"target": str(args.target), "drafter": str(args.drafter), "prompts": len(prompts),
               "new_tokens": n, "threshold": args.threshold, "max_draft_len": K, "threads": args.threads,
+              "drafter_dtype": str(drafter.fc.weight.dtype),
               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "configs": rows}
-    print("| config | tok/s | speedup vs none | mean acceptance length | draft tok/step | verified tok/step |")
-    print("|---|---|---|---|---|---|")
+    print("| config | tok/s | speedup vs none | mean acceptance length | draft tok/step | verified tok/step "
+          "| draft ms/step | verify ms/step |")
+    print("|---|---|---|---|---|---|---|---|")
     for m, r in rows.items():
         print(f"| {m} | {r['tok_s']} | {r['speedup_vs_none']}× | {r['mean_acceptance_length']} | "
-              f"{r['draft_tokens_per_step']} | {r['verified_tokens_per_step']} |")
+              f"{r['draft_tokens_per_step']} | {r['verified_tokens_per_step']} | {r['draft_ms_per_step']} | "
+              f"{r['verify_ms_per_step']} |")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     return result
