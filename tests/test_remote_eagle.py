@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -126,3 +127,36 @@ def test_drafter_unload_and_reload_mid_stream_stays_lossless(setup):
     # (3 failed steps and at most one final step with no room to draft)
     assert all(s.drafts >= s.steps - 4 for s in stats)
     assert set(drafter.rt.states) == set()  # released on the fresh runtime too
+
+
+def test_remote_requests_at_most_probe_beyond_last_kept():
+    """With a threshold, each step asks the remote drafter for at most PROBE tokens beyond what
+    the cut kept in that sequence's previous step (every requested position costs a drafter
+    forward); without one (or with spec_threshold 0), always the full length."""
+    asked: list[list[int]] = []
+
+    def call(inputs):  # drafts 10, 11, … with acceptance 0.9, 0.9, 0.1, …: a 0.5 cut keeps 2
+        asked.append(inputs["max_draft_len"].tolist())
+        B, K = len(inputs["seq_ids"]), int(inputs["max_draft_len"].max())
+        probs = np.full((B, K), 0.1, dtype=np.float32)
+        probs[:, :2] = 0.9
+        return {"draft_tokens": np.tile(np.arange(10, 10 + K), (B, 1)), "accept_prob": probs,
+                "unknown": np.zeros(B, dtype=bool)}
+
+    def steps(remote, threshold=None):
+        drafts = []
+        for n in (4, 3, 1):  # features committed before each step
+            tokens = list(range(sum((4, 3, 1)[:len(drafts) + 1]) + 1))
+            drafts.append(remote.propose([DraftRequest(0, tokens, 5, SamplingParams(), None, torch.zeros(n, 8),
+                                                       threshold)])[0].tokens)
+        return drafts
+
+    remote = RemoteProposer("eagle", call, max_draft_len=5, threshold=0.5)
+    assert steps(remote) == [[10, 11]] * 3
+    assert asked == [[5], [2 + RemoteProposer.PROBE], [2 + RemoteProposer.PROBE]]
+    asked.clear()
+    assert steps(RemoteProposer("eagle", call, max_draft_len=5, threshold=None)) == [[10, 11, 12, 13, 14]] * 3
+    assert asked == [[5], [5], [5]]
+    asked.clear()
+    steps(RemoteProposer("eagle", call, max_draft_len=5, threshold=0.5), threshold=0.0)  # per-request: fixed
+    assert asked == [[5], [5], [5]]

@@ -34,6 +34,7 @@ class _History:
     features: list[torch.Tensor] = field(default_factory=list)  # chunks of [n, D]
     length: int = 0        # pairs whose features we hold
     remote_valid: int = 0  # pairs the remote drafter holds (as far as we know)
+    kept: int | None = None  # draft tokens the threshold cut kept last step (None: no step yet)
 
     def slice(self, start: int) -> torch.Tensor:
         return torch.cat(self.features)[start:]
@@ -41,6 +42,12 @@ class _History:
 
 class RemoteProposer:
     needs_features = True
+
+    # With a threshold, ask the drafter for at most this many tokens beyond what the cut kept in
+    # the sequence's previous step. The remote drafter drafts every position it is asked for
+    # before the calibration head scores them, so unbounded requests pay for positions the cut
+    # drops (measured on the demo: 8 drafted per step for 4.5 kept).
+    PROBE = 2
 
     def __init__(self, name: str, call: Call, *, max_draft_len: int = 8, threshold: float | None = 0.3,
                  release: Callable[[list[int]], None] | None = None):
@@ -69,8 +76,17 @@ class RemoteProposer:
         return {"seq_ids": np.array([requests[i].seq_id for i in rows], dtype=np.int64),
                 "valid_from": np.array(starts, dtype=np.int64), "num_new": np.array(counts, dtype=np.int64),
                 "features": features, "next_tokens": next_tokens,
-                "max_draft_len": np.array([min(requests[i].max_draft_len, self.max_draft_len) for i in rows],
-                                          dtype=np.int64)}
+                "max_draft_len": np.array([self._request_len(requests[i]) for i in rows], dtype=np.int64)}
+
+    def _threshold(self, r: DraftRequest) -> float | None:
+        return self.threshold if r.threshold is None else r.threshold
+
+    def _request_len(self, r: DraftRequest) -> int:
+        cap = min(r.max_draft_len, self.max_draft_len)
+        kept = self._seqs[r.seq_id].kept
+        if not self._threshold(r) or kept is None:
+            return cap
+        return min(cap, kept + self.PROBE)
 
     def _round_trip(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:
@@ -108,9 +124,11 @@ class RemoteProposer:
                     probs[i, :K] = redo["accept_prob"][j, :K]
         drafts = []
         for i, r in enumerate(requests):
-            self._seqs[r.seq_id].remote_valid = len(r.token_ids) - 1
-            threshold = self.threshold if r.threshold is None else r.threshold
-            drafts.append(Draft.chain(self._cut(tokens[i], None if probs is None else probs[i], threshold)))
+            h = self._seqs[r.seq_id]
+            h.remote_valid = len(r.token_ids) - 1
+            kept = self._cut(tokens[i], None if probs is None else probs[i], self._threshold(r))
+            h.kept = len(kept)
+            drafts.append(Draft.chain(kept))
         return drafts
 
     @staticmethod
