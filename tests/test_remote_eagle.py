@@ -147,16 +147,18 @@ def test_remote_requests_at_most_probe_beyond_last_kept():
         drafts = []
         for n in (4, 3, 1):  # features committed before each step
             tokens = list(range(sum((4, 3, 1)[:len(drafts) + 1]) + 1))
-            drafts.append(remote.propose([DraftRequest(0, tokens, 5, SamplingParams(), None, torch.zeros(n, 8),
+            drafts.append(remote.propose([DraftRequest(0, tokens, 8, SamplingParams(), None, torch.zeros(n, 8),
                                                        threshold)])[0].tokens)
         return drafts
 
-    remote = RemoteProposer("eagle", call, max_draft_len=5, threshold=0.5)
+    probe = min(8, 2 + RemoteProposer.PROBE)
+    assert probe < 8
+    remote = RemoteProposer("eagle", call, max_draft_len=8, threshold=0.5)
     assert steps(remote) == [[10, 11]] * 3
-    assert asked == [[5], [2 + RemoteProposer.PROBE], [2 + RemoteProposer.PROBE]]
+    assert asked == [[8], [probe], [probe]]
     asked.clear()
-    assert steps(RemoteProposer("eagle", call, max_draft_len=5, threshold=None)) == [[10, 11, 12, 13, 14]] * 3
-    assert asked == [[5], [5], [5]]
+    assert steps(RemoteProposer("eagle", call, max_draft_len=8, threshold=None)) == [list(range(10, 18))] * 3
+    assert asked == [[8], [8], [8]]
     asked.clear()
-    steps(RemoteProposer("eagle", call, max_draft_len=5, threshold=0.5), threshold=0.0)  # per-request: fixed
-    assert asked == [[5], [5], [5]]
+    steps(RemoteProposer("eagle", call, max_draft_len=8, threshold=0.5), threshold=0.0)  # per-request: fixed
+    assert asked == [[8], [8], [8]]

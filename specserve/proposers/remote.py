@@ -46,8 +46,9 @@ class RemoteProposer:
     # With a threshold, ask the drafter for at most this many tokens beyond what the cut kept in
     # the sequence's previous step. The remote drafter drafts every position it is asked for
     # before the calibration head scores them, so unbounded requests pay for positions the cut
-    # drops (measured on the demo: 8 drafted per step for 4.5 kept).
-    PROBE = 2
+    # drops (demo model, 8 drafted per step for 4.5 kept). Measured in-process on 12 held-out
+    # prompts, speedup over none with probe 2 / 3 / 4 / unbounded: 2.26 / 2.30 / 2.31 / 2.27×.
+    PROBE = 4
 
     def __init__(self, name: str, call: Call, *, max_draft_len: int = 8, threshold: float | None = 0.3,
                  release: Callable[[list[int]], None] | None = None):
