@@ -32,9 +32,9 @@ serve: install
 engine-bench: install
 	$(PY) benchmarks/engine_bench.py
 
-# EAGLE through Triton (fused, fixed-4, remote vs none; two servers side by side), ~3 min here.
+# EAGLE through Triton (fused, fixed-4, remote vs none; two servers side by side), ~5 min here.
 eagle-bench: install
-	$(PY) benchmarks/eagle_triton_bench.py --prompts 16 --new-tokens 64 --out docs/eagle/triton_fp32.json
+	$(PY) benchmarks/eagle_triton_bench.py --prompts 32 --new-tokens 64 --out docs/eagle/triton_fp32.json
 
 # Serving benchmark (specserve bench), quick mode sized for a small CPU: the demo model, or a small
 # random-weight one when the demo weights are absent (the report says which). Override the
