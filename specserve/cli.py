@@ -47,9 +47,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "server in explicit model-control mode; see `specserve drafters`)")
     p.add_argument("--spec-threshold", type=float, default=0.3,
                    help="EAGLE stops drafting when the calibration head's predicted cumulative "
-                        "acceptance falls below this")
+                        "acceptance falls below this (a request may override it with spec_threshold)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="compute dtype of the target and fused drafters; float32 (default) keeps greedy "
+                   help="compute dtype of the target; float32 (default) keeps greedy "
                         "output token-exact vs plain decoding, bfloat16 is faster where the CPU/GPU has bf16 "
                         "matmuls but may part from plain decoding at near-ties (bf16 rounding)")
     p.add_argument("--drafter-dtype", choices=("auto", "float32", "bfloat16"), default="auto",

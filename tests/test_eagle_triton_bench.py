@@ -47,5 +47,6 @@ def test_eagle_triton_bench_runs_every_configuration(tmp_path):
     assert rows["eagle_remote"]["mean_acceptance_length"] == rows["eagle"]["mean_acceptance_length"]
     remote = result["remote_placement"]
     assert remote["proposal_calls"] == remote["steps"] == rows["eagle_remote"]["steps"]  # one BLS call per step
-    assert remote["proposal_calls"] > 0 and remote["ensemble_server_ms"] > 0
-    assert remote["proposer_call_ms"] >= remote["ensemble_server_ms"]
+    assert remote["proposal_calls"] > 0 and remote["drafter_models_compute_ms"] > 0
+    # The models run inside the call (plus one tiny release execution per request, outside it).
+    assert remote["drafter_models_compute_ms"] <= remote["proposer_call_ms"] + 0.5

@@ -58,7 +58,7 @@ class EngineSettings:
     drafters: tuple[tuple[str, str], ...] = ()  # (method, drafter folder), e.g. ("eagle", "models/demo/eagle")
     placement: str = "fused"                    # where drafters run: "fused" or "remote"
     spec_threshold: float | None = 0.3          # calibration-head stop threshold (None: fixed length)
-    # Compute dtype of the target and fused drafters. float32 is exact: spec output equals plain
+    # Compute dtype of the target. float32 is exact: spec output equals plain
     # decoding token for token. bfloat16 is ~2× faster to verify on CPUs with bf16 matmuls, but
     # its kernels round differently for a 1-token step and a K+1-token verify, so outputs may
     # part at near-ties (each is the target's greedy output up to bf16 rounding).
