@@ -34,7 +34,7 @@ from specserve.proposers.eagle_export import export
 from specserve.proposers.eagle_onnx import CalibrationOnnxRuntime, EagleOnnxRuntime, in_process_call
 from specserve.proposers.remote import RemoteProposer
 from specserve.sampling import SamplingParams
-from specserve.triton.factory import resolve_drafter_dtype
+from specserve.triton.factory import DRAFTER_DTYPES, resolve_drafter_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threshold", type=float, default=0.3)
     ap.add_argument("--max-draft-len", type=int, default=8)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--drafter-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+    ap.add_argument("--drafter-dtype", choices=DRAFTER_DTYPES, default="auto",
                     help="fused drafters' compute dtype, as `specserve serve --drafter-dtype`")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)

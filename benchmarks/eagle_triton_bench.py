@@ -40,6 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from specserve.triton.factory import DTYPES  # noqa: E402 (after the sys.path line above)
+
 # name → (server, sampling-parameter overrides)
 CONFIGS: dict[str, tuple[str, dict]] = {
     "none": ("fused", {"spec_method": "none"}),
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threshold", type=float, default=0.3, help="the servers' --spec-threshold")
     ap.add_argument("--max-draft-len", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+    ap.add_argument("--dtype", choices=DTYPES, default="float32",
                     help="the servers' --dtype; with bfloat16 outputs may part from none at near-ties, "
                          "so they are counted (identical_to_none) instead of required")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ", ".join(CONFIGS))

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from specserve.triton.factory import DRAFTER_DTYPES, DTYPES
+
 
 class CliError(Exception):
     """A problem the user can fix; printed without a traceback, exit status 2."""
@@ -48,11 +50,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--spec-threshold", type=float, default=0.3,
                    help="EAGLE stops drafting when the calibration head's predicted cumulative "
                         "acceptance falls below this (a request may override it with spec_threshold)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="compute dtype of the target; float32 (default) keeps greedy "
                         "output token-exact vs plain decoding, bfloat16 is faster where the CPU/GPU has bf16 "
                         "matmuls but may part from plain decoding at near-ties (bf16 rounding)")
-    p.add_argument("--drafter-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+    p.add_argument("--drafter-dtype", choices=DRAFTER_DTYPES, default="auto",
                    help="compute dtype of fused drafters (never changes the output, only the speed and the "
                         "acceptance); auto = bfloat16 where the hardware has bf16 matmuls")
     p.add_argument("--work-dir", type=Path, default=Path("work_dirs/serve"),

@@ -242,6 +242,15 @@ os._exit(0)  # vanish mid-stream: no cancel, no stream close
 """
 
 
+def wait_until_aborted(dep, key: str, before: dict, message: str, timeout: float = 20.0) -> None:
+    """Until the abort counter `key` has risen past `before` and no request runs (or fail)."""
+    deadline = time.monotonic() + timeout
+    while not (dep.metrics().get(key, 0) > before.get(key, 0)
+               and dep.metrics().get("specserve_num_requests_running") == 0):
+        assert time.monotonic() < deadline, message
+        time.sleep(0.2)
+
+
 def test_client_that_disconnects_mid_stream_frees_the_slot(deployments):
     dep = deployments["qwen2"]
     key = 'specserve_request_success_total{finished_reason="abort",method="none",tier="default"}'
@@ -249,11 +258,7 @@ def test_client_that_disconnects_mid_stream_frees_the_slot(deployments):
     done = subprocess.run([sys.executable, "-c", DISCONNECTING_CLIENT, dep.server.grpc_url],
                           capture_output=True, text=True, timeout=120)
     assert "got a response" in done.stdout, done.stderr
-    deadline = time.monotonic() + 20
-    while not (dep.metrics().get(key, 0) > before.get(key, 0)
-               and dep.metrics().get("specserve_num_requests_running") == 0):
-        assert time.monotonic() < deadline, "the disconnected client's request still runs"
-        time.sleep(0.2)
+    wait_until_aborted(dep, key, before, "the disconnected client's request still runs")
 
 
 def test_http_stream_client_that_disconnects_frees_the_slot(deployments):
@@ -270,11 +275,7 @@ def test_http_stream_client_that_disconnects_frees_the_slot(deployments):
             chunk = conn.recv(4096)
             assert chunk, "the server closed the stream before any event"
             received += chunk
-    deadline = time.monotonic() + 20
-    while not (dep.metrics().get(key, 0) > before.get(key, 0)
-               and dep.metrics().get("specserve_num_requests_running") == 0):
-        assert time.monotonic() < deadline, "the disconnected HTTP client's request still runs"
-        time.sleep(0.2)
+    wait_until_aborted(dep, key, before, "the disconnected HTTP client's request still runs")
 
 
 def test_direct_call_to_target_verifier_is_cancelled_by_the_watcher(deployments):

@@ -193,7 +193,7 @@ class EagleProposer:
         self.name = name
         self.drafter, self.target = drafter, target
         self.max_draft_len = max_draft_len
-        self.threshold = threshold if drafter.calibration is not None else None
+        self.threshold = threshold  # _threshold() ignores it for a drafter without a calibration head
         self.cache = drafter.new_cache(max_num_seqs, max_model_len + max_draft_len + 1)
         self._seqs: dict[int, _SeqState] = {}
         # The drafter reuses the target's embedding and LM head; a drafter computing in another

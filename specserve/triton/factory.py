@@ -35,6 +35,7 @@ PROPOSERS: dict[str, Callable[[], "Proposer"]] = {
 DRAFTED = ("eagle",)
 PLACEMENTS = ("fused", "remote")
 DTYPES = ("float32", "bfloat16")
+DRAFTER_DTYPES = ("auto", *DTYPES)
 
 
 def resolve_drafter_dtype(name: str, model) -> "torch.dtype":
@@ -43,7 +44,7 @@ def resolve_drafter_dtype(name: str, model) -> "torch.dtype":
     if name == "auto":
         fast_bf16 = model.device.type == "cuda" or torch.ops.mkldnn._is_mkldnn_bf16_supported()
         return torch.bfloat16 if fast_bf16 else model.dtype
-    if name not in DTYPES:
+    if name not in DRAFTER_DTYPES:
         raise ValueError(f"drafter dtype must be auto or one of {', '.join(DTYPES)}, got {name!r}")
     return getattr(torch, name)
 
@@ -59,7 +60,8 @@ class EngineSettings:
     placement: str = "fused"                    # where drafters run: "fused" or "remote"
     spec_threshold: float | None = 0.3          # calibration-head stop threshold (None: fixed length)
     # Compute dtype of the target. float32 is exact: spec output equals plain
-    # decoding token for token. bfloat16 is ~2× faster to verify on CPUs with bf16 matmuls, but
+    # decoding token for token. bfloat16 is faster on CPUs with bf16 matmuls (demo model through
+    # Triton: a 5.5-token verify 13.2 vs 19.7 ms, a plain step 12.5 vs 15.3 ms), but
     # its kernels round differently for a 1-token step and a K+1-token verify, so outputs may
     # part at near-ties (each is the target's greedy output up to bf16 rounding).
     dtype: str = "float32"
