@@ -154,8 +154,15 @@ class Engine:
         self.detokenize = detokenize
         # Headroom past max_model_len: a verify forward writes up to 1 + max_draft_len entries
         # (padding included) after a row's committed length.
-        self.cache: KVCache = model.new_cache(config.max_num_seqs,
+        # Static-step methods (DSPark) pad their batch bucket with rows that write to a scratch KV
+        # slot no sequence owns: one more slot in the pool, reserved here.
+        static = [p for p in self.proposers.values() if getattr(p, "static_step", False)]
+        self.cache: KVCache = model.new_cache(config.max_num_seqs + bool(static),
                                               config.max_model_len + config.max_draft_len + 1)
+        if static:
+            scratch = self.cache.allocate()
+            for p in static:
+                p.bind(self.cache, scratch)
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
         self._by_id: dict[str, _Sequence] = {}
@@ -245,8 +252,11 @@ class Engine:
         admitted = self._admit()
         for group in _prefill_groups(admitted, self.cfg.max_prefill_tokens):
             self._prefill(group)
-        if decoding:
-            self._decode(decoding)
+        static = [s for s in decoding if getattr(s.proposer, "static_step", False)]
+        if static:
+            self._decode_static(static)
+        if len(static) < len(decoding):
+            self._decode([s for s in decoding if not getattr(s.proposer, "static_step", False)])
         for seq in admitted + decoding:
             if seq.new_tokens or seq.finish_reason:
                 outputs.append(self._output(seq))
@@ -352,6 +362,32 @@ class Engine:
             s.stats.verify_seconds += elapsed
         for name, outs in outcomes.items():
             self.proposers[name].observe(outs)
+
+    def _decode_static(self, seqs: list[_Sequence]) -> None:
+        """Rows whose proposer runs the whole step as one static computation (DSPark): drafting,
+        verification, acceptance and the KV commit happen inside it; the engine applies the new
+        lengths and emits. The step's wall time is charged to verify_seconds (nothing is separate)."""
+        from specserve.static_step import StaticRow
+
+        by_proposer: dict[str, list[_Sequence]] = {}
+        for s in seqs:
+            by_proposer.setdefault(s.proposer.name, []).append(s)
+        for group in by_proposer.values():
+            rows = []
+            for s in group:
+                cap = self.cfg.max_draft_len if s.req.num_draft_tokens is None else s.req.num_draft_tokens
+                room = min(cap, s.req.params.max_tokens - s.num_output - 1, self.cfg.max_model_len - len(s.tokens))
+                rows.append(StaticRow(s.seq_id, s.slot, s.tokens, self.cache.lengths[s.slot], max(room, 0),
+                                      s.req.params, s.generator, s.features, s.req.spec_threshold))
+                s.features = None
+            t0 = time.perf_counter()
+            outcomes = group[0].proposer.step(rows)
+            elapsed = time.perf_counter() - t0
+            for s, o in zip(group, outcomes):
+                self.cache.truncate(s.slot, o.new_length)
+                s.stats.verify_seconds += elapsed
+                s.stats.record(o.num_drafted, o.num_accepted)
+                self._emit(s, o.emitted)
 
     def _forward(self, tokens, positions, slots, starts, mask) -> torch.Tensor:
         dev = self.model.device

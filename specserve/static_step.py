@@ -150,7 +150,7 @@ class Acceptance:
 
 def _emit(drafted: torch.Tensor, accepted: torch.Tensor, final: torch.Tensor) -> Acceptance:
     B, K = drafted.shape
-    out = torch.cat([drafted, torch.zeros_like(drafted[:, :1])], 1)  # [B, K+1]
+    out = torch.cat([drafted, drafted.new_zeros(B, 1)], 1)  # [B, K+1]
     out = out.scatter(1, accepted[:, None], final[:, None])
     cols = torch.arange(K + 1, device=out.device)[None]
     return Acceptance(torch.where(cols <= accepted[:, None], out, 0), accepted + 1)
@@ -280,3 +280,30 @@ def check_static_model(model: Transformer) -> None:
     if model.cfg.rope.rope_type == "dynamic":
         raise ValueError("the static step (dspark) does not support dynamic NTK RoPE: its frequencies "
                          "depend on each row's length, read on the host; use eagle for this checkpoint")
+
+
+# -- the engine's interface to a static-step method (DSPark) -------------------------------------------
+
+@dataclass
+class StaticRow:
+    """What the engine hands a static-step proposer for one running sequence."""
+    seq_id: int
+    slot: int                       # the target's KV slot
+    token_ids: list[int]            # prompt + emitted; the last one is pending (no KV yet)
+    length: int                     # committed KV entries (the host's KVCache.lengths[slot])
+    max_draft_len: int              # room: never draft past max_tokens or the model length
+    params: SamplingParams
+    generator: torch.Generator | None
+    features: torch.Tensor | None   # [n, D] target features from the prefill (first step only)
+    threshold: float | None         # the request's calibration threshold (None: the proposer's)
+
+
+@dataclass
+class StaticOutcome:
+    emitted: list[int]   # accepted drafted tokens, then the recovered / bonus one
+    num_drafted: int     # drafted tokens that counted (after the calibrated cut and the room)
+    new_length: int      # committed KV entries after the step (apply with KVCache.truncate)
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.emitted) - 1

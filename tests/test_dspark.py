@@ -1,0 +1,218 @@
+"""DSPark (specserve.proposers.dspark) in process: greedy equals plain decoding (tiny model with a
+random drafter, and the demo model with its trained drafter), sampled output follows the target
+distribution and is reproducible per seed; the graph wrapper's CPU eager mode; CUDA-only checks
+(graph replay equals eager, no host sync inside a replay) skip visibly without a GPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tiny_checkpoint
+from specserve.cuda_graphs import GraphCache
+from specserve.engine import Engine, EngineConfig, GenerationRequest
+from specserve.model import load_model
+from specserve.proposers.dspark import DSParkProposer, StepKey, draft_lengths
+from specserve.proposers.eagle import EagleProposer, load_eagle
+from specserve.sampling import SamplingParams, target_probs
+from test_eagle import random_drafter
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "models" / "demo"
+PROMPTS = [[5, 17, 99, 3, 250, 42, 7, 7, 300, 12, 64, 128, 5, 17, 99], [11, 12, 13, 14, 11, 12, 13],
+           [400, 3, 3, 3, 3, 3, 3, 3], [77], list(range(100, 160))]
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run `make gpu-check` on a GPU machine)")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return load_model(make_tiny_checkpoint(tmp_path_factory.mktemp("dspark"), "llama", seed=21))
+
+
+def engine_with(target, drafter, *, threshold, max_num_seqs=4, max_draft_len=5, max_model_len=256,
+                device=None, graph_mode="auto"):
+    kw = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_draft_len=max_draft_len,
+              threshold=threshold)
+    proposers = {"dspark": DSParkProposer(drafter, target, graph_mode=graph_mode, **kw),
+                 "eagle": EagleProposer(drafter, target, **kw)}
+    return Engine(target, EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                       max_draft_len=max_draft_len), proposers, eos_token_ids=())
+
+
+def reqs(method, prompts, n=20, **kw):
+    return [GenerationRequest(f"{method}{i}", p, SamplingParams(max_tokens=n, **kw), method)
+            for i, p in enumerate(prompts)]
+
+
+def test_draft_length_set():
+    assert draft_lengths(8) == (1, 2, 4, 8) and draft_lengths(5) == (1, 2, 4, 5) and draft_lengths(1) == (1,)
+
+
+@pytest.mark.parametrize("threshold", [None, 0.2])
+def test_greedy_dspark_equals_plain_and_eagle(target, threshold):
+    """Five requests on four slots (one waits and joins mid-run; buckets 4 and 2 with padded rows)."""
+    engine = engine_with(target, random_drafter(target, seed=1), threshold=threshold)
+    plain, spec, eagle = (engine.generate(reqs(m, PROMPTS)) for m in ("none", "dspark", "eagle"))
+    for i in range(len(PROMPTS)):
+        assert spec[f"dspark{i}"].new_token_ids == plain[f"none{i}"].new_token_ids, f"prompt {i}"
+        # Same drafter, same cut rule: the same drafts, so the same acceptance.
+        assert spec[f"dspark{i}"].stats.accepted_tokens == eagle[f"eagle{i}"].stats.accepted_tokens
+    assert sum(o.stats.draft_tokens for o in spec.values()) > 0
+    assert engine.num_free_slots == 4 and engine.proposers["dspark"].eagle.cache.num_free == 4
+
+
+def test_bf16_drafter_keeps_greedy_output(target):
+    drafter = random_drafter(target, seed=4).to(torch.bfloat16)
+    drafter.calibration.float()
+    engine = engine_with(target, drafter, threshold=0.2)
+    plain, spec = engine.generate(reqs("none", PROMPTS[:3])), engine.generate(reqs("dspark", PROMPTS[:3]))
+    assert [spec[f"dspark{i}"].new_token_ids for i in range(3)] == [plain[f"none{i}"].new_token_ids for i in range(3)]
+
+
+def test_num_draft_tokens_and_room_cap_the_draft(target):
+    engine = engine_with(target, random_drafter(target, seed=1), threshold=None)
+    r = GenerationRequest("a", PROMPTS[0], SamplingParams(max_tokens=12), "dspark", num_draft_tokens=2)
+    out = engine.generate([r])["a"]
+    assert out.stats.draft_tokens <= 2 * out.stats.steps and len(out.new_token_ids) == 12
+    assert engine.generate(reqs("none", PROMPTS[:1], 12))["none0"].new_token_ids == out.new_token_ids
+
+
+def test_seeded_sampled_request_repeats(target):
+    engine = engine_with(target, random_drafter(target, seed=1), threshold=0.2)
+    run = lambda seed: engine.generate(reqs("dspark", PROMPTS[:2], 24, temperature=0.9, top_k=40,
+                                            seed=seed))
+    a, b, c = run(3), run(3), run(4)
+    assert [a[k].new_token_ids for k in a] == [b[k].new_token_ids for k in a]
+    assert [a[k].new_token_ids for k in a] != [c[k].new_token_ids for k in a]
+
+
+def test_sampled_dspark_follows_target_distribution(tmp_path):
+    """Joint of generated tokens 2 and 3 (drafted and verified in one step) vs the exact target,
+    as test_eagle does for the dynamic path."""
+    path = make_tiny_checkpoint(tmp_path / "small", "llama", vocab_size=8, seed=5)
+    target = load_model(path)
+    params = dict(temperature=1.0, top_k=6)
+    prompt = [1, 3, 5]
+    engine = engine_with(target, random_drafter(target, seed=2, calibration=False), threshold=None,
+                         max_num_seqs=64, max_draft_len=2)
+    n = 3000
+    outs = engine.generate([GenerationRequest(str(i), prompt, SamplingParams(max_tokens=4, seed=i, **params),
+                                              "dspark") for i in range(n)])
+    counts = torch.zeros(8, 8)
+    for o in outs.values():
+        counts[o.new_token_ids[1], o.new_token_ids[2]] += 1
+    assert all(o.stats.draft_tokens >= 2 for o in outs.values())
+    sp = SamplingParams(**params)
+    with torch.inference_mode():
+        p1 = target_probs(target.score(torch.tensor([prompt]))[0, -1:], sp)[0]
+        exact = torch.zeros(8, 8)
+        for a in range(8):
+            if p1[a] == 0:
+                continue
+            p2 = target_probs(target.score(torch.tensor([prompt + [a]]))[0, -1:], sp)[0]
+            for b in range(8):
+                if p2[b] > 0:
+                    p3 = target_probs(target.score(torch.tensor([prompt + [a, b]]))[0, -1:], sp)[0]
+                    exact[b] += float(p1[a]) * float(p2[b]) * p3
+    tv = 0.5 * (counts / n - exact).abs().sum().item()
+    assert tv < 0.06, f"total variation {tv:.4f}"
+
+
+@pytest.mark.skipif(not (DEMO / "eagle" / "config.json").is_file(), reason="demo checkpoints absent")
+def test_demo_dspark_greedy_equals_none():
+    from specserve.triton.tokenizer import load_tokenizer
+
+    target = load_model(DEMO / "target")
+    drafter = load_eagle(DEMO / "eagle", target, dtype=torch.float32)
+    tok = load_tokenizer(DEMO / "target")
+    held = [json.loads(line) for line in (DEMO / "heldout_prompts.jsonl").read_text().splitlines()]
+    prompts = [next(h for h in held if h["kind"] == k)["prompt"] for k in ("code", "prose")]
+    ids = [tok.encode(p).ids for p in prompts]
+    engine = engine_with(target, drafter, threshold=0.3, max_num_seqs=2, max_draft_len=8, max_model_len=512)
+    plain, spec = engine.generate(reqs("none", ids, 40)), engine.generate(reqs("dspark", ids, 40))
+    for i in range(2):
+        assert spec[f"dspark{i}"].new_token_ids == plain[f"none{i}"].new_token_ids
+    assert sum(o.stats.accepted_tokens for o in spec.values()) > 20  # the trained drafter is accepted
+
+
+def test_graph_cache_eager_mode_reuses_static_buffers():
+    calls = []
+
+    def make_fn(key):
+        def fn(x):
+            calls.append(key)
+            return {"y": x["a"] * key}
+        return fn
+
+    cache = GraphCache(make_fn, lambda key: {"a": torch.zeros(3)}, torch.device("cpu"))
+    assert not cache.capture
+    out = cache.run(2, {"a": torch.tensor([1.0, 2.0, 3.0])})
+    assert out["y"].tolist() == [2.0, 4.0, 6.0]
+    assert cache.graphs[2].inputs["a"].tolist() == [1.0, 2.0, 3.0]  # copied into the static buffer
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        GraphCache(make_fn, lambda key: {}, torch.device("cpu"), mode="graph")
+
+
+def test_dynamic_rope_is_refused(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "ntk", "llama", seed=2,
+                                rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    target = load_model(path)
+    with pytest.raises(ValueError, match="dynamic NTK RoPE"):
+        DSParkProposer(random_drafter(target, seed=1), target, max_num_seqs=2, max_model_len=128)
+
+
+# -- CUDA only ----------------------------------------------------------------------------------------
+
+def _cuda_engine(graph_mode):
+    target = load_model(DEMO / "target", device="cuda")
+    drafter = load_eagle(DEMO / "eagle", target, dtype=torch.float32)
+    return target, engine_with(target, drafter, threshold=0.3, max_num_seqs=4, max_draft_len=8,
+                               max_model_len=512, graph_mode=graph_mode)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_replay_equals_eager_and_plain():
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[4]]
+    _, graphed = _cuda_engine("graph")
+    _, eager = _cuda_engine("eager")
+    plain = graphed.generate(reqs("none", prompts, 48))
+    g, e = graphed.generate(reqs("dspark", prompts, 48)), eager.generate(reqs("dspark", prompts, 48))
+    for i in range(len(prompts)):
+        assert g[f"dspark{i}"].new_token_ids == e[f"dspark{i}"].new_token_ids == plain[f"none{i}"].new_token_ids
+    assert graphed.proposers["dspark"]._graphs.capture and not eager.proposers["dspark"]._graphs.capture
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_replay_has_no_host_sync():
+    _, engine = _cuda_engine("graph")
+    prop = engine.proposers["dspark"]
+    engine.generate(reqs("dspark", PROMPTS[:2], 8))  # captures the keys it uses
+    key = next(iter(prop._graphs.graphs))
+    graph = prop._graphs.graphs[key]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph.graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert isinstance(key, StepKey)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("method", ["eagle", "ngram"])
+def test_cuda_fp32_methods_equal_none(method):
+    from specserve.proposers.ngram import NgramProposer
+
+    target, engine = _cuda_engine("graph")
+    engine.proposers["ngram"] = NgramProposer()
+    plain, spec = engine.generate(reqs("none", PROMPTS, 32)), engine.generate(reqs(method, PROMPTS, 32))
+    for i in range(len(PROMPTS)):
+        assert spec[f"{method}{i}"].new_token_ids == plain[f"none{i}"].new_token_ids
