@@ -57,6 +57,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drafter-dtype", choices=DRAFTER_DTYPES, default="auto",
                    help="compute dtype of fused drafters (never changes the output, only the speed and the "
                         "acceptance); auto = bfloat16 where the hardware has bf16 matmuls")
+    p.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]",
+                   help="where the target, its KV pool, fused drafters and the static step run "
+                        "(auto: CUDA when available); float32 keeps greedy output token-exact on either")
     p.add_argument("--work-dir", type=Path, default=Path("work_dirs/serve"),
                    help="where the rendered repository, backends and logs go")
     p.set_defaults(run=_serve)
@@ -121,12 +124,16 @@ def _interrupt(signum, frame) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from specserve.triton.factory import PROPOSERS
+    from specserve.triton.factory import PROPOSERS, resolve_device, static_methods
     from specserve.triton.launch import ServerStartError, WorkDirLock
 
     max_len = check_checkpoint(args.target, args.max_model_len)
     drafters = resolve_drafters(args.target, args.drafter, args.no_drafters)
-    methods = ["none", *PROPOSERS, *(m for m, _ in drafters)]
+    methods = ["none", *PROPOSERS, *(m for m, _ in drafters), *static_methods(drafters)]
+    try:
+        resolve_device(args.device)
+    except ValueError as e:
+        raise CliError(f"--device: {e}") from None
     if args.default_method is None:
         args.default_method = drafters[0][0] if drafters else "none"
     if args.default_method not in methods:
@@ -154,7 +161,7 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
                                                 max_draft_len=args.max_draft_len,
                                                 default_method=args.default_method, drafters=drafters,
                                                 placement=args.placement, spec_threshold=args.spec_threshold,
-                                                dtype=args.dtype, drafter_dtype=args.drafter_dtype),
+                                                dtype=args.dtype, drafter_dtype=args.drafter_dtype, device=args.device),
                              work / "model_repository")
     # Remote drafters are hot-loadable: explicit model control, everything loaded at start.
     extra = ["--model-control-mode=explicit", "--load-model=*"] if drafters and args.placement == "remote" else []
@@ -164,7 +171,7 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
     print(f"specserve: serving {args.target} (max_model_len={max_len}, max_num_seqs={args.max_num_seqs}, "
-          f"methods: {', '.join(methods)}; default {args.default_method}; {args.dtype}) from {repo}", flush=True)
+          f"methods: {', '.join(methods)}; default {args.default_method}; {args.dtype} on {args.device}) from {repo}", flush=True)
     for method, folder in drafters:
         print(f"specserve: drafter {method} from {folder} ({args.placement})", flush=True)
     # One try around everything after start: a signal can arrive at any point (even between

@@ -33,6 +33,9 @@ PROPOSERS: dict[str, Callable[[], "Proposer"]] = {
 
 # Methods that need a trained drafter (given per deployment in EngineSettings.drafters).
 DRAFTED = ("eagle",)
+# Methods built from another method's drafter: dspark runs the served EAGLE drafter fused, as one
+# static step (specserve.proposers.dspark), whichever placement EAGLE itself uses.
+STATIC_METHODS = {"dspark": "eagle"}
 PLACEMENTS = ("fused", "remote")
 DTYPES = ("float32", "bfloat16")
 DRAFTER_DTYPES = ("auto", *DTYPES)
@@ -70,10 +73,51 @@ class EngineSettings:
     # which the target verifies; measured on the demo model: drafting 12.9 → 7.9 ms per step,
     # acceptance length 4.11 → 4.15. Remote drafters run their exported fp32 ONNX models.
     drafter_dtype: str = "auto"
+    # Where the target, its KV pool, fused drafters and the static step's state live:
+    # auto (CUDA when available), cpu, cuda or cuda:N.
+    device: str = "auto"
+
+
+def static_methods(drafters: tuple[tuple[str, str], ...]) -> list[str]:
+    served = {m for m, _ in drafters}
+    return [m for m, base in STATIC_METHODS.items() if base in served]
 
 
 def available_methods(settings: EngineSettings) -> list[str]:
-    return ["none", *PROPOSERS, *(m for m, _ in settings.drafters)]
+    return ["none", *PROPOSERS, *(m for m, _ in settings.drafters), *static_methods(settings.drafters)]
+
+
+def resolve_device(name: str) -> "torch.device":
+    """auto → cuda when a GPU is visible, else cpu; cpu and cuda[:N] as given (checked here)."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r}: this torch build sees no CUDA GPU "
+                             f"(torch {torch.__version__}, CUDA {torch.version.cuda})")
+        if (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return device
+
+
+def _static(method: str, folder: str, model, settings: EngineSettings, max_len: int, base) -> "Proposer":
+    from specserve.proposers.dspark import DSParkProposer
+    from specserve.proposers.eagle import load_eagle
+
+    # Share the fused EAGLE proposer's drafter weights when there is one.
+    drafter = getattr(base, "drafter", None) or load_eagle(
+        folder, model, dtype=resolve_drafter_dtype(settings.drafter_dtype, model))
+    proposer = DSParkProposer(drafter, model, max_num_seqs=settings.max_num_seqs, max_model_len=max_len,
+                              max_draft_len=settings.max_draft_len, threshold=settings.spec_threshold)
+    return proposer
 
 
 def _drafted(method: str, folder: str, model, settings: EngineSettings, max_len: int) -> "Proposer":
@@ -110,12 +154,17 @@ def build_engine(settings: EngineSettings):
     if settings.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {settings.dtype!r}")
     tokenizer = load_tokenizer(settings.checkpoint)
-    model = load_model(settings.checkpoint, dtype=getattr(torch, settings.dtype))
+    model = load_model(settings.checkpoint, dtype=getattr(torch, settings.dtype),
+                       device=resolve_device(settings.device))
     max_len = settings.max_model_len or default_max_model_len(settings.checkpoint)
     config = EngineConfig(max_num_seqs=settings.max_num_seqs, max_model_len=max_len,
                           max_draft_len=settings.max_draft_len, default_method=settings.default_method)
     proposers = {name: make() for name, make in PROPOSERS.items()}
     for method, folder in settings.drafters:
         proposers[method] = _drafted(method, folder, model, settings, max_len)
+    for method, base in STATIC_METHODS.items():
+        folder = dict(settings.drafters).get(base)
+        if folder:
+            proposers[method] = _static(method, folder, model, settings, max_len, proposers.get(base))
     engine = Engine(model, config, proposers, detokenize=make_decode(tokenizer))
     return engine, tokenizer

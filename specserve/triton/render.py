@@ -41,6 +41,7 @@ class RepositorySettings:
     spec_threshold: float | None = 0.3
     dtype: str = "float32"
     drafter_dtype: str = "auto"
+    device: str = "auto"  # the engine's device: auto | cpu | cuda[:N] (factory.resolve_device)
 
 
 def encode_drafters(drafters: tuple[tuple[str, str], ...]) -> str:
@@ -113,6 +114,7 @@ def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
                                       "drafters": encode_drafters(settings.drafters),
                                       "placement": settings.placement, "dtype": settings.dtype,
                                       "drafter_dtype": settings.drafter_dtype,
+                                      "device": settings.device,
                                       "spec_threshold": "" if settings.spec_threshold is None
                                       else settings.spec_threshold},
         schema.POSTPROCESS.name: {"checkpoint": ckpt},

@@ -52,7 +52,7 @@ class TritonPythonModel:
                                   default_method=p["default_method"],
                                   drafters=decode_drafters(p.get("drafters", "")),
                                   placement=p.get("placement", "fused"), dtype=p.get("dtype", "float32"),
-                                  drafter_dtype=p.get("drafter_dtype", "auto"),
+                                  drafter_dtype=p.get("drafter_dtype", "auto"), device=p.get("device", "auto"),
                                   spec_threshold=float(p["spec_threshold"]) if p.get("spec_threshold") else None)
         self.metrics = TritonMetrics(pb_utils)
         # Built on the engine's own thread: a model loaded on another thread decodes slower.
