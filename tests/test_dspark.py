@@ -216,3 +216,32 @@ def test_cuda_fp32_methods_equal_none(method):
     plain, spec = engine.generate(reqs("none", PROMPTS, 32)), engine.generate(reqs(method, PROMPTS, 32))
     for i in range(len(PROMPTS)):
         assert spec[f"{method}{i}"].new_token_ids == plain[f"none{i}"].new_token_ids
+
+
+# -- through a real tritonserver ----------------------------------------------------------------------
+
+@pytest.mark.triton
+@pytest.mark.skipif(not (DEMO / "eagle" / "config.json").is_file(), reason="demo checkpoints absent")
+def test_triton_dspark_greedy_equals_none(tmp_path):
+    from specserve.triton.client import StreamClient
+    from specserve.triton.launch import TritonServer
+    from specserve.triton.render import RepositorySettings, render_repository
+
+    repo = render_repository(RepositorySettings(DEMO / "target", max_num_seqs=4, max_model_len=512, max_draft_len=8,
+                                                default_method="eagle", drafters=(("eagle", str(DEMO / "eagle")),),
+                                                device="cpu"),
+                             tmp_path / "model_repository")
+    srv = TritonServer(repo, tmp_path, None, log_file=tmp_path / "tritonserver.log", exit_timeout_s=5)
+    srv.start()
+    try:
+        srv.wait_ready(180)
+        held = [json.loads(line) for line in (DEMO / "heldout_prompts.jsonl").read_text().splitlines()]
+        prompts = [next(h for h in held if h["kind"] == k)["prompt"] for k in ("code", "prose")]
+        client = StreamClient(srv.grpc_url)
+        for p in prompts:
+            plain = client.generate(p, {"max_tokens": 48, "spec_method": "none"})
+            spec = client.generate(p, {"max_tokens": 48, "spec_method": "dspark"})
+            assert spec.text == plain.text, p
+            assert spec.spec_stats["method"] == "dspark" and spec.spec_stats["accepted_tokens"] > 0
+    finally:
+        srv.stop()
