@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test demo serve bench engine-bench eagle-bench clean
+.PHONY: install test demo serve bench engine-bench eagle-bench dspark-bench gpu-check clean
 
 install: $(STAMP)
 
@@ -42,6 +42,15 @@ eagle-bench: install
 BENCH_ARGS ?= --quick --out work_dirs/bench
 bench: install
 	$(VENV)/bin/specserve bench $(BENCH_ARGS)
+
+# DSPark vs dynamic EAGLE vs none through Triton (C=1 and 16), span sets, step breakdown; a few minutes here.
+dspark-bench: install
+	$(PY) benchmarks/dspark_bench.py --prompts 4 --new-tokens 64 --out docs/dspark/cpu_fp32.json
+
+# On a GPU machine (NGC PyTorch container): GPU-marked tests + the bf16 8B-shape timing table
+# into docs/gpu/. Uses the machine's CUDA torch (GPU_PY, default python3), not .venv.
+gpu-check:
+	scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

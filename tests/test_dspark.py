@@ -245,3 +245,23 @@ def test_triton_dspark_greedy_equals_none(tmp_path):
             assert spec.spec_stats["method"] == "dspark" and spec.spec_stats["accepted_tokens"] > 0
     finally:
         srv.stop()
+
+
+# -- make gpu-check: its CPU-runnable parts ---------------------------------------------------------
+
+def test_gpu_check_table_on_a_tiny_model(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    args = gpu_check.parse_args(["--tiny", "--device", "cpu", "--dtype", "float32", "--batches", "1,2",
+                                 "--ks", "1,2", "--no-hf", "--out", str(tmp_path)])
+    assert args.batches == [1, 2] and args.ks == [1, 2] and gpu_check.parse_args([]).device == "cuda"
+    assert gpu_check.main(["--tiny", "--device", "cpu", "--dtype", "float32", "--batches", "1,2", "--ks", "1,2",
+                           "--no-hf", "--out", str(tmp_path)]) == 0
+    table = (tmp_path / "table.md").read_text()
+    report = json.loads((tmp_path / "timing.json").read_text())
+    assert set(report["step_ms"]) == {f"B={b},K={k}" for b in (1, 2) for k in (0, 1, 2)}
+    assert "| 2 |" in table and "dspark / eagle ITL std" in table
+    assert set(report["methods"]["B=2"]) == {"none", "eagle", "dspark"}
