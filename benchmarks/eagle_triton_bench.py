@@ -118,7 +118,7 @@ def start_server(target: Path, drafter: Path, placement: str, work: Path, args):
                                                 drafters=(("eagle", str(drafter)),), placement=placement,
                                                 spec_threshold=args.threshold, dtype=args.dtype),
                              run_dir / "model_repository")
-    return TritonServer(repo, run_dir, Ports.free(), log_file=run_dir / "tritonserver.log").start()
+    return TritonServer(repo, run_dir, None, log_file=run_dir / "tritonserver.log").start()
 
 
 def goal_line(name: str, value: float, goal: float, unit: str = "") -> str:

@@ -16,7 +16,11 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from specserve.triton.auth import ADMIN_KEY_ENV, ADMIN_KEY_FILE
 from specserve.triton.factory import DRAFTER_DTYPES, DTYPES
+
+# Kubernetes' terminationGracePeriodSeconds in deploy/k8s must exceed this (tests check it).
+DRAIN_TIMEOUT_S = 30.0
 
 
 class CliError(Exception):
@@ -57,6 +61,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drafter-dtype", choices=DRAFTER_DTYPES, default="auto",
                    help="compute dtype of fused drafters (never changes the output, only the speed and the "
                         "acceptance); auto = bfloat16 where the hardware has bf16 matmuls")
+    p.add_argument("--max-queue-len", type=int, default=128,
+                   help="requests waiting for a KV slot, at most; beyond it requests are refused at once "
+                        "with 'server busy'")
+    p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
+                   help="on SIGTERM / Ctrl-C: seconds in-flight requests may keep streaming to their end "
+                        "(no new ones are accepted, the server reports not ready) before the rest are ended "
+                        "with an error and the server exits")
+    p.add_argument("--admin-key-file", type=Path, default=None,
+                   help=f"file holding the key that opens Triton's model-control and config endpoints "
+                        f"(default: ${ADMIN_KEY_ENV}, else WORK_DIR/{ADMIN_KEY_FILE}, made at start)")
     p.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]",
                    help="where the target, its KV pool, fused drafters and the static step run "
                         "(auto: CUDA when available); float32 keeps greedy output token-exact on either")
@@ -140,6 +154,10 @@ def _serve(args: argparse.Namespace) -> int:
         raise CliError(f"--default-method {args.default_method!r} is not one of {', '.join(methods)}")
     if args.max_num_seqs < 1:
         raise CliError("--max-num-seqs must be at least 1")
+    if args.max_queue_len < 0:
+        raise CliError("--max-queue-len must be >= 0")
+    if args.drain_timeout < 0:
+        raise CliError("--drain-timeout must be >= 0")
     for port, flag in ((args.http_port, "--http-port"), (args.grpc_port, "--grpc-port"),
                        (args.metrics_port, "--metrics-port")):
         _check_port(port, flag)
@@ -154,18 +172,23 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: list[str],
                 drafters: tuple[tuple[str, str], ...]) -> int:
+    from specserve.triton.auth import resolve_admin_key
     from specserve.triton.launch import Ports, ServerStartError, TritonServer
     from specserve.triton.render import RepositorySettings, render_repository
 
-    repo = render_repository(RepositorySettings(args.target, max_num_seqs=args.max_num_seqs, max_model_len=max_len,
-                                                max_draft_len=args.max_draft_len,
-                                                default_method=args.default_method, drafters=drafters,
-                                                placement=args.placement, spec_threshold=args.spec_threshold,
-                                                dtype=args.dtype, drafter_dtype=args.drafter_dtype, device=args.device),
-                             work / "model_repository")
-    # Remote drafters are hot-loadable: explicit model control, everything loaded at start.
-    extra = ["--model-control-mode=explicit", "--load-model=*"] if drafters and args.placement == "remote" else []
-    server = TritonServer(repo, work, Ports(args.http_port, args.grpc_port, args.metrics_port), extra_args=extra)
+    settings = RepositorySettings(args.target, max_num_seqs=args.max_num_seqs, max_model_len=max_len,
+                                  max_draft_len=args.max_draft_len,
+                                  default_method=args.default_method, drafters=drafters,
+                                  placement=args.placement, spec_threshold=args.spec_threshold,
+                                  dtype=args.dtype, drafter_dtype=args.drafter_dtype, device=args.device,
+                                  max_queue_len=args.max_queue_len)
+    repo = render_repository(settings, work / "model_repository")
+    admin_key = resolve_admin_key(args.admin_key_file, work, create=True)
+    # Explicit model control, everything loaded at start: remote drafters are hot-loadable, and
+    # shutdown unloads `llm` to turn the server not-ready while it drains. Model control is
+    # admin-only (auth.py), so no client can unload anything.
+    server = TritonServer(repo, work, Ports(args.http_port, args.grpc_port, args.metrics_port),
+                          extra_args=list(SERVE_TRITON_ARGS), admin_key=admin_key)
     # Ctrl-C and SIGTERM (docker stop, Kubernetes) both stop the server gracefully; the server
     # runs in its own process group, so the signal reaches it only through server.stop().
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -189,6 +212,11 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
         server.stop()
         raise CliError(f"tritonserver did not start: {e}") from None
     except KeyboardInterrupt:
+        if server.process is not None and server.process.poll() is None and server.is_ready():
+            try:
+                drain(server, settings.internal_key, args.drain_timeout)
+            except KeyboardInterrupt:
+                print("specserve: second signal; stopping now", flush=True)
         code = server.stop()
         return 0 if code in (0, None) else code
     except BaseException:
@@ -197,6 +225,57 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
     if code != 0:
         print(f"specserve: tritonserver exited with code {code}", file=sys.stderr)
     return code
+
+
+# tritonserver flags `specserve serve` adds (deploy/k8s and docker-compose must agree; tests check).
+SERVE_TRITON_ARGS = ("--model-control-mode=explicit", "--load-model=*")
+
+
+def drain(server, internal_key: str, timeout: float, poll_s: float = 0.25) -> int:
+    """Graceful shutdown, before tritonserver itself is stopped: the engine refuses new requests,
+    `llm` is unloaded so the server reports not ready (in-flight streams keep their models until
+    they end), in-flight streams run to their end for up to `timeout` seconds, and whatever is
+    left is ended with an error saying so. Returns how many were ended that way.
+
+    Why not leave it to tritonserver: on SIGINT/SIGTERM it unloads every model at once, including
+    preprocess/postprocess, which have nothing in flight, so every stream stalls until the exit
+    timeout and is cut by the transport."""
+    import threading
+    import time
+
+    from specserve.triton.control import ControlError, send_control
+
+    print(f"specserve: draining (up to {timeout:g} s for in-flight requests)", flush=True)
+    send_control(server.grpc_url, internal_key, "drain")
+    threading.Thread(target=_unload_quietly, args=(server, "llm"), daemon=True).start()
+    deadline = time.monotonic() + timeout
+    live = send_control(server.grpc_url, internal_key, "status")["live"]
+    while live and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        live = send_control(server.grpc_url, internal_key, "status")["live"]
+    if live:
+        print(f"specserve: drain time over; ending {live} request(s) with an error", flush=True)
+        send_control(server.grpc_url, internal_key, "abort")
+        end = time.monotonic() + 5
+        while time.monotonic() < end:
+            try:
+                if not send_control(server.grpc_url, internal_key, "status")["live"]:
+                    break
+            except ControlError:
+                break
+            time.sleep(poll_s)
+    print("specserve: drained; stopping tritonserver", flush=True)
+    return live
+
+
+def _unload_quietly(server, name: str) -> None:
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        grpcclient.InferenceServerClient(server.grpc_url).unload_model(name, headers=server.admin_headers)
+    except InferenceServerException as e:
+        print(f"specserve: unloading {name} failed ({e.message()}); readiness may not turn false", flush=True)
 
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_serve]
@@ -216,12 +295,20 @@ def _add_drafters(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repository", type=Path, default=Path("work_dirs/serve/model_repository"),
                    help="publish: the served model repository")
     p.add_argument("--load", action="store_true", help="publish: load the new version right away")
+    p.add_argument("--admin-key-file", type=Path, default=Path("work_dirs/serve") / ADMIN_KEY_FILE,
+                   help=f"the server's admin key (default: ${ADMIN_KEY_ENV}, else this file, which "
+                        "`specserve serve` writes in its work dir)")
     p.set_defaults(run=_drafters)
 
 
 def _drafters(args: argparse.Namespace) -> int:
     from specserve.triton import drafters
+    from specserve.triton.auth import resolve_admin_key
 
+    key = resolve_admin_key(args.admin_key_file)
+    if key is None and (args.action != "publish" or args.load):
+        raise CliError(f"no admin key: set ${ADMIN_KEY_ENV} or pass --admin-key-file (the server's "
+                       f"work dir holds {ADMIN_KEY_FILE})")
     try:
         if args.action == "publish":
             if not args.target or not args.drafter:
@@ -229,17 +316,17 @@ def _drafters(args: argparse.Namespace) -> int:
             version = drafters.publish(args.target, args.drafter, args.repository)
             print(f"published {args.drafter} as version {version} of eagle_backbone / calibration_head")
             if args.load:
-                drafters.load(args.url, "eagle_proposal")
+                drafters.load(args.url, "eagle_proposal", key)
                 print("loaded eagle_proposal")
             return 0
         if args.action == "list":
-            for m in drafters.list_models(args.url):
+            for m in drafters.list_models(args.url, key):
                 mark = "drafter" if m.name in drafters.DRAFTER_MODELS else ""
                 print(f"{m.name:20s} {m.version or '-':>3s} {m.state:12s} {mark:8s} {m.reason}")
             return 0
         if not args.name:
             raise CliError(f"drafters {args.action} needs a model name")
-        (drafters.load if args.action == "load" else drafters.unload)(args.url, args.name)
+        (drafters.load if args.action == "load" else drafters.unload)(args.url, args.name, key)
         print(f"{args.action}ed {args.name}")
         return 0
     except drafters.DrafterError as e:

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=WORK))
     repo = render_repository(RepositorySettings(target, max_num_seqs=4, max_model_len=max_len, drafters=drafters),
                              run_dir / "model_repository")
-    server = TritonServer(repo, run_dir, Ports.free(), log_file=run_dir / "tritonserver.log")
+    server = TritonServer(repo, run_dir, None, log_file=run_dir / "tritonserver.log")
     ok = False
     t0 = time.monotonic()
     try:

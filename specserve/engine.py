@@ -12,6 +12,11 @@ Each `step()`:
 
 Requests join between steps; `cancel` frees a slot at once. The engine is single-threaded: the
 Triton adapter drives it from one background thread (`specserve.engine_loop`).
+
+Isolation: whatever goes wrong with one row (an invalid distribution, a sampler error, a drafter
+that returns garbage for it) ends that request alone, with finish reason "error" and a message;
+the other rows of the batch carry on. A proposer that fails costs its rows one step of drafting,
+never their drafter features.
 """
 
 from __future__ import annotations
@@ -34,11 +39,15 @@ from specserve.verify import Verdict, verify
 
 log = logging.getLogger("specserve.engine")
 
-FINISH_LENGTH, FINISH_STOP, FINISH_ABORT = "length", "stop", "abort"
+FINISH_LENGTH, FINISH_STOP, FINISH_ABORT, FINISH_ERROR = "length", "stop", "abort", "error"
 
 
 class RequestRejected(ValueError):
     """A request the engine will not run; the message is meant for the client."""
+
+
+class ServerBusy(RequestRejected):
+    """The admission queue is full; the client may retry later (or elsewhere)."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,9 @@ class EngineConfig:
     max_draft_len: int = 8          # drafted tokens (chain length or tree nodes) per step
     default_method: str = "none"
     max_prefill_tokens: int = 4096  # padded tokens per prefill forward (bounds its memory)
+    # Requests waiting for a slot, at most; beyond it a request is refused at once (ServerBusy)
+    # rather than queued without bound. Checked by the EngineLoop, which also counts its inbox.
+    max_queue_len: int = 128
 
 
 @dataclass
@@ -110,10 +122,12 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]       # tokens emitted since the previous output for this request
     finished: bool
-    finish_reason: str | None      # "length" | "stop" | "abort" (EOS and stop strings are "stop")
+    finish_reason: str | None      # "length" | "stop" | "abort" | "error" (EOS and stop strings are "stop")
     num_prompt_tokens: int
     num_output_tokens: int         # all emitted so far
     stats: SpecStats
+    # Why the engine ended the request early ("error", or "abort" that the client did not ask for).
+    error: str | None = None
 
 
 @dataclass
@@ -128,7 +142,10 @@ class _Sequence:
     slot: int = -1
     new_tokens: list[int] = field(default_factory=list)  # emitted this step
     finish_reason: str | None = None
-    features: torch.Tensor | None = None  # [n, D] hidden states committed since last draft
+    error: str | None = None
+    # [n, D] hidden states committed since the proposer last accepted them (kept across a
+    # failed propose call, so a drafter outage loses no history)
+    features: torch.Tensor | None = None
 
     @property
     def num_output(self) -> int:
@@ -215,8 +232,9 @@ class Engine:
         self._waiting.append(seq)
         self._by_id[req.request_id] = seq
 
-    def cancel(self, request_id: str) -> bool:
-        """Stop a request now and free its slot; its final output comes from the next step()."""
+    def cancel(self, request_id: str, error: str | None = None) -> bool:
+        """Stop a request now and free its slot; its final output comes from the next step().
+        `error` says why when the engine (not the client) ends it; its output then carries it."""
         seq = self._by_id.get(request_id)
         if seq is None:
             return False
@@ -224,7 +242,7 @@ class Engine:
             self._waiting.remove(seq)
         else:
             self._running.remove(seq)
-        seq.finish_reason = FINISH_ABORT
+        seq.finish_reason, seq.error = FINISH_ABORT, error
         self._aborted.append(self._output(seq))
         self._retire(seq)
         return True
@@ -243,6 +261,19 @@ class Engine:
     @property
     def num_free_slots(self) -> int:
         return self.cache.num_free
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def _fail(self, seq: _Sequence, message: str) -> None:
+        """End one row's request with an error; the rest of the batch is untouched."""
+        log.warning("request %s failed: %s", seq.req.request_id, message)
+        seq.finish_reason, seq.error = FINISH_ERROR, message
 
     # -- the step -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -290,7 +321,12 @@ class Engine:
             self.cache.truncate(s.slot, n)
             if s.proposer.needs_features:
                 s.features = hidden[b, :n].clone()
-            self._emit(s, [self._first_token(logits[b], s)])
+            try:
+                first = self._first_token(logits[b], s)
+            except Exception as e:  # noqa: BLE001 — this row's sampling failed; the others go on
+                self._fail(s, f"sampling the first token failed: {e}")
+                continue
+            self._emit(s, [first])
 
     def _first_token(self, logits: torch.Tensor, seq: _Sequence) -> int:
         if seq.generator is None:
@@ -311,25 +347,37 @@ class Engine:
                            self.cfg.max_model_len - len(s.tokens))
                 requests.append(DraftRequest(s.seq_id, s.tokens, max(room, 0), s.req.params,
                                              s.generator, s.features, s.req.spec_threshold))
-                s.features = None
             proposer = group[0].proposer
             t0 = time.perf_counter()
             try:
                 got = proposer.propose(requests)
-            except ProposerError as e:
-                # A remote drafter that is unloaded or restarting: decode plainly this step.
-                log.warning("proposer %s failed (%s); decoding without a draft this step", name, e)
+                if len(got) != len(group):
+                    raise ProposerError(f"returned {len(got)} drafts for {len(group)} requests")
+            except Exception as e:  # noqa: BLE001 — a drafter failure only costs this step's draft
+                # A remote drafter that is unloaded, restarting or hung (ProposerError), or a bug in
+                # a fused one: these rows decode plainly this step and keep their features, which
+                # the proposer receives with the next call.
+                if isinstance(e, ProposerError):
+                    log.warning("proposer %s failed (%s); decoding without a draft this step", name, e)
+                else:
+                    log.exception("proposer %s raised; decoding without a draft this step", name)
                 got = [Draft.empty() for _ in group]
                 for s in group:
                     s.stats.proposer_errors += 1
+            else:
+                for s in group:
+                    s.features = None  # delivered
             finally:
                 elapsed = time.perf_counter() - t0
                 for s in group:
                     s.stats.draft_seconds += elapsed
-            if len(got) != len(group):
-                raise RuntimeError(f"proposer {name} returned {len(got)} drafts for {len(group)} requests")
             for s, r, d in zip(group, requests, got):
-                d.check()
+                problem = _draft_problem(d, self.model.cfg.vocab_size)
+                if problem:
+                    log.warning("proposer %s: bad draft for request %s (%s); decoding it plainly",
+                                name, s.req.request_id, problem)
+                    s.stats.proposer_errors += 1
+                    d = Draft.empty()
                 drafts[s.seq_id] = _truncate(d, r.max_draft_len)
         return [drafts[s.seq_id] for s in seqs]
 
@@ -348,11 +396,17 @@ class Engine:
         logits = self.model.logits(hidden)  # [B, T, V]
         outcomes: dict[str, list[StepOutcome]] = {}
         for b, (s, d) in enumerate(zip(seqs, drafts)):
-            verdict: Verdict = verify(logits[b, :1 + len(d)], d, s.req.params, s.generator)
+            try:
+                verdict: Verdict = verify(logits[b, :1 + len(d)], d, s.req.params, s.generator)
+            except Exception as e:  # noqa: BLE001 — this row alone fails (e.g. an invalid distribution)
+                self.cache.truncate(s.slot, starts[b])
+                self._fail(s, f"verification failed: {e}")
+                continue
             rows = [0] + [c + 1 for c in verdict.accepted_nodes]  # forward rows kept, in order
             self.cache.compact_path(s.slot, starts[b], rows)
             if s.proposer.needs_features:
-                s.features = hidden[b, rows].clone()
+                new = hidden[b, rows].clone()  # [n, D]
+                s.features = new if s.features is None else torch.cat([s.features, new])
             s.stats.record(len(d), verdict.num_accepted)
             outcomes.setdefault(s.proposer.name, []).append(
                 StepOutcome(s.seq_id, len(d), verdict.accepted_nodes, verdict.emitted))
@@ -422,7 +476,7 @@ class Engine:
 
     def _output(self, seq: _Sequence) -> RequestOutput:
         return RequestOutput(seq.req.request_id, list(seq.new_tokens), seq.finish_reason is not None,
-                             seq.finish_reason, seq.num_prompt, seq.num_output, seq.stats)
+                             seq.finish_reason, seq.num_prompt, seq.num_output, seq.stats, seq.error)
 
     def _retire(self, seq: _Sequence) -> None:
         if seq.slot >= 0:
@@ -464,6 +518,17 @@ def _prefill_groups(seqs: list[_Sequence], budget: int) -> list[list[_Sequence]]
     if group:
         groups.append(group)
     return groups
+
+
+def _draft_problem(draft: Draft, vocab_size: int) -> str | None:
+    """Why a proposer's draft cannot be verified, or None if it can."""
+    try:
+        draft.check()
+    except ValueError as e:
+        return str(e)
+    if any(not 0 <= t < vocab_size for t in draft.tokens):
+        return f"drafted token ids must lie in [0, {vocab_size})"
+    return None
 
 
 def _truncate(draft: Draft, n: int) -> Draft:

@@ -7,9 +7,18 @@ greedy: the argmax of the raw logits.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+# Below this a temperature is refused rather than treated as greedy: a client asking for 1e-45
+# most likely has a bug, and silently changing the method would hide it.
+MIN_TEMPERATURE = 1e-5
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -32,14 +41,19 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if max_tokens_limit is not None and self.max_tokens > max_tokens_limit:
             raise ValueError(f"max_tokens={self.max_tokens} exceeds the limit {max_tokens_limit}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        t = self.temperature
+        if not _is_number(t) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if 0 < t < MIN_TEMPERATURE:
+            # logits / t overflows to inf (then NaN) long before t reaches the denormals.
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {t!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:  # NaN fails the comparison too
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2 ** 64):
+            raise ValueError(f"seed must be an integer in [0, 2^64), got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
@@ -71,7 +85,13 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop_sorted[..., -1] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
-    return x.softmax(-1)
+    probs = x.softmax(-1)
+    # A row that is not a distribution (NaN / inf from a value validate() should have refused)
+    # must fail its own request with a message, not torch.multinomial's, which names no field.
+    if not bool(torch.isfinite(probs).all()):
+        raise ValueError("the sampling parameters give an invalid probability distribution "
+                         "(check temperature, top_p, top_k)")
+    return probs
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:

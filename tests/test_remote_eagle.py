@@ -126,7 +126,51 @@ def test_drafter_unload_and_reload_mid_stream_stays_lossless(setup):
     # After the reload every sequence drafted again (re-primed from the engine-side history).
     # (3 failed steps and at most one final step with no room to draft)
     assert all(s.drafts >= s.steps - 4 for s in stats)
+    remote.flush()  # releases are sent on the drafter's worker thread, never waited for by the engine
     assert set(drafter.rt.states) == set()  # released on the fresh runtime too
+
+
+def test_a_hung_drafter_times_out_and_costs_only_speculation(setup):
+    """A drafter that stops answering (hangs, not errors): the step waits at most timeout_s, later
+    steps decode plainly without calling while the call is outstanding, output stays exact, and
+    drafting resumes once the drafter answers again."""
+    import threading
+
+    target, _, report = setup
+    drafter = Drafter(target, report)
+    hang, unhang = threading.Event(), threading.Event()
+
+    def call(inputs):
+        if hang.is_set():
+            assert unhang.wait(60)
+        return drafter(inputs)
+
+    remote = RemoteProposer("eagle", call, max_draft_len=4, threshold=None, timeout_s=0.2)
+    engine = make_engine(target, {"eagle": remote})
+    reqs = [GenerationRequest(f"h{i}", p, SamplingParams(max_tokens=30), "eagle") for i, p in enumerate(PROMPTS)]
+    want = make_engine(target, {}).generate(
+        [GenerationRequest(f"h{i}", p, SamplingParams(max_tokens=30), "none") for i, p in enumerate(PROMPTS)])
+    for r in reqs:
+        engine.submit(r)
+    got, final, step = {r.request_id: [] for r in reqs}, {}, 0
+    while engine.has_work():
+        step += 1
+        if step == 3:
+            hang.set()
+        if step == 6:
+            hang.clear()
+            unhang.set()    # the hung call returns; the next step calls again
+            remote.flush()
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+            if out.finished:
+                final[out.request_id] = out
+    for rid, out in want.items():
+        assert got[rid] == out.new_token_ids, rid
+    stats = [final[r.request_id].stats for r in reqs]
+    # steps 3, 4, 5 decoded plainly (one timeout, two skipped calls), then drafting resumed
+    assert all(s.proposer_errors == 3 for s in stats) and all(s.drafts >= s.steps - 4 for s in stats)
+    assert all(s.draft_seconds < 0.2 * 3 + 1.0 for s in stats)
 
 
 def test_remote_requests_at_most_probe_beyond_last_kept():

@@ -43,7 +43,7 @@ def start_server(tmp_path_factory, placement: str):
                                                 placement=placement, spec_threshold=None),
                              root / "model_repository")
     extra = ["--model-control-mode=explicit", "--load-model=*"] if placement == "remote" else []
-    srv = TritonServer(repo, root, Ports.free(), log_file=root / "tritonserver.log", exit_timeout_s=5,
+    srv = TritonServer(repo, root, None, log_file=root / "tritonserver.log", exit_timeout_s=5,
                        extra_args=extra)
     srv.start()
     try:
@@ -78,7 +78,7 @@ def test_remote_eagle_greedy_equals_none(server):
         assert spec.text == plain.text, p
         assert spec.spec_stats["method"] == "eagle" and spec.spec_stats["draft_tokens"] > 0
         assert spec.spec_stats["proposer_errors"] == 0
-    states = {m.name: m.state for m in drafters.list_models(server.grpc_url)}
+    states = {m.name: m.state for m in drafters.list_models(server.grpc_url, server.admin_key)}
     assert states["eagle_proposal"] == states["eagle_backbone"] == states["calibration_head"] == "READY"
 
 
@@ -88,7 +88,7 @@ def test_fused_eagle_greedy_equals_none(fused_server):
         assert spec.text == plain.text, p
         assert spec.spec_stats["draft_tokens"] > 0 and spec.spec_stats["proposer_errors"] == 0
     # Fused drafters are not Triton models: nothing to hot-load.
-    names = {m.name for m in drafters.list_models(fused_server.grpc_url)}
+    names = {m.name for m in drafters.list_models(fused_server.grpc_url, fused_server.admin_key)}
     assert "eagle_proposal" not in names and "llm" in names
 
 
@@ -98,9 +98,9 @@ def test_unload_and_reload_during_eight_streams_fails_nothing(server):
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(gen, server, p, "eagle", 200) for p in jobs]
         time.sleep(0.3)
-        drafters.unload(server.grpc_url, "eagle_proposal")   # also unloads backbone + calibration
+        drafters.unload(server.grpc_url, "eagle_proposal", server.admin_key)   # also unloads backbone + calibration
         time.sleep(0.5)
-        drafters.load(server.grpc_url, "eagle_proposal")
+        drafters.load(server.grpc_url, "eagle_proposal", server.admin_key)
         results = [f.result() for f in futures]
     for p, r in zip(jobs, results):
         assert (r.text, r.finish_reason) == (want[p].text, want[p].finish_reason)
@@ -111,7 +111,7 @@ def test_unload_and_reload_during_eight_streams_fails_nothing(server):
 
 def test_drafters_cli_refuses_non_drafters(server):
     with pytest.raises(drafters.DrafterError, match="'llm' is not a drafter model"):
-        drafters.unload(server.grpc_url, "llm")
+        drafters.unload(server.grpc_url, "llm", server.admin_key)
 
 
 def test_publish_a_new_drafter_version_during_streams(server, tmp_path):
@@ -125,12 +125,12 @@ def test_publish_a_new_drafter_version_during_streams(server, tmp_path):
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(gen, server, p, "eagle", 120) for p in PROMPTS]
         version = drafters.publish(root / "ckpt", tmp_path / "eagle_v2", root / "model_repository")
-        drafters.load(server.grpc_url, "eagle_proposal")
+        drafters.load(server.grpc_url, "eagle_proposal", server.admin_key)
         results = [f.result() for f in futures]
     assert version == 2
     for p, r in zip(PROMPTS, results):
         assert (r.text, r.finish_reason) == (want[p].text, want[p].finish_reason)
-    served = {(m.name, m.version): m.state for m in drafters.list_models(server.grpc_url)}
+    served = {(m.name, m.version): m.state for m in drafters.list_models(server.grpc_url, server.admin_key)}
     assert served[("eagle_backbone", "2")] == "READY" and served[("calibration_head", "2")] == "READY"
     after = gen(server, PROMPTS[1], "eagle")
     assert after.text == want[PROMPTS[1]].text[:len(after.text)] and after.spec_stats["draft_tokens"] > 0

@@ -55,7 +55,7 @@ class Deployment:
         repo = render_repository(RepositorySettings(self.ckpt, max_num_seqs=16,
                                                     max_model_len=MAX_MODEL_LEN[family]),
                                  root / "model_repository")
-        self.server = TritonServer(repo, root, Ports.free(), log_file=root / "tritonserver.log",
+        self.server = TritonServer(repo, root, None, log_file=root / "tritonserver.log",
                                    exit_timeout_s=5)
 
     def client(self) -> StreamClient:
@@ -169,35 +169,136 @@ def test_16_concurrent_streams_each_equal_their_solo_output(llama):
     assert together == solo
 
 
+# (case, text_input, sampling_parameters, the error's message). Every case runs over gRPC
+# streaming and over HTTP generate; the README's table of bad inputs is this list.
+HUGE = "x" * 2_200_000  # refused by size before it is tokenized
 BAD_INPUTS = [
     ("missing text_input", None, {"max_tokens": 4}, "missing required input 'text_input'"),
     ("empty prompt", "", {"max_tokens": 4}, "text_input is empty"),
-    ("prompt longer than the model", "hello world " * 200, {"max_tokens": 4}, "exceeds the model length 256"),
-    ("max_tokens 0", "hi", {"max_tokens": 0}, "max_tokens must be a positive integer"),
-    ("max_tokens negative", "hi", {"max_tokens": -5}, "max_tokens must be a positive integer"),
-    ("max_tokens above the limit", "hi", {"max_tokens": 100000}, "exceeds the limit 256"),
-    ("max_tokens not an integer", "hi", {"max_tokens": "ten"}, "max_tokens must be an integer"),
+    ("prompt longer than the model", "hello world " * 200, {"max_tokens": 4},
+     "prompt (2200 tokens) plus max_tokens (4) exceeds the model length 256"),
+    ("prompt of 2.2 MB", HUGE, {"max_tokens": 4}, "text_input is 2200000 bytes, more than any prompt that fits "
+     "the model length 256 can have"),
+    ("max_tokens 0", "hi", {"max_tokens": 0}, "max_tokens must be a positive integer, got 0"),
+    ("max_tokens negative", "hi", {"max_tokens": -5}, "max_tokens must be a positive integer, got -5"),
+    ("max_tokens above the limit", "hi", {"max_tokens": 100000}, "max_tokens=100000 exceeds the limit 256"),
+    ("max_tokens not an integer", "hi", {"max_tokens": "ten"},
+     'sampling_parameters.max_tokens must be an integer, got "ten"'),
+    ("max_tokens a float", "hi", {"max_tokens": 4.5}, "sampling_parameters.max_tokens must be an integer, got 4.5"),
     ("not JSON", "hi", '{"max_tokens": 4', "sampling_parameters is not valid JSON"),
-    ("JSON but not an object", "hi", "[4]", "sampling_parameters must be a JSON object"),
+    ("JSON but not an object", "hi", "[4]", "sampling_parameters must be a JSON object, got list"),
     ("unknown keys", "hi", {"max_tokens": 4, "beam_width": 2, "foo": 1},
      "unknown sampling_parameters key(s): beam_width, foo"),
-    ("negative temperature", "hi", {"temperature": -0.5}, "temperature must be >= 0"),
-    ("top_p zero", "hi", {"top_p": 0}, "top_p must be in (0, 1]"),
-    ("top_p above one", "hi", {"top_p": 1.5}, "top_p must be in (0, 1]"),
-    ("negative top_k", "hi", {"top_k": -1}, "top_k must be an integer >= 0"),
-    ("unknown spec_method", "hi", {"spec_method": "eagle9"}, "unknown spec_method 'eagle9'"),
-    ("invalid UTF-8", b"abc\xff\xfe def", {"max_tokens": 4}, "text_input is not valid UTF-8"),
+    ("negative temperature", "hi", {"temperature": -0.5}, "temperature must be a finite number >= 0, got -0.5"),
+    ("NaN temperature", "hi", '{"temperature": NaN}', "temperature must be a finite number >= 0, got nan"),
+    ("infinite temperature", "hi", '{"temperature": Infinity}', "temperature must be a finite number >= 0, got inf"),
+    ("denormal temperature", "hi", {"temperature": 1e-45},
+     "temperature must be 0 (greedy) or at least 1e-05, got 1e-45"),
+    ("temperature a string", "hi", {"temperature": "hot"},
+     'sampling_parameters.temperature must be a number, got "hot"'),
+    ("top_p zero", "hi", {"top_p": 0}, "top_p must be in (0, 1], got 0.0"),
+    ("top_p above one", "hi", {"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+    ("top_p NaN", "hi", '{"top_p": NaN}', "top_p must be in (0, 1], got nan"),
+    ("negative top_k", "hi", {"top_k": -1}, "top_k must be an integer >= 0, got -1"),
+    ("seed beyond 64 bits", "hi", {"seed": 2 ** 70},
+     "seed must be an integer in [0, 2^64), got 1180591620717411303424"),
+    ("stop not strings", "hi", {"stop": [1, 2]}, "sampling_parameters.stop must be a string or a list of strings, got [1, 2]"),
+    ("ignore_eos not a boolean", "hi", {"ignore_eos": "maybe"},
+     'sampling_parameters.ignore_eos must be a boolean, got "maybe"'),
+    ("unknown spec_method", "hi", {"spec_method": "eagle9"}, "unknown spec_method 'eagle9'; available: ngram, none"),
+    ("num_draft_tokens out of range", "hi", {"num_draft_tokens": 99},
+     "num_draft_tokens must be an integer in [0, 8] (the server's max_draft_len), got 99"),
+    ("spec_threshold out of range", "hi", {"spec_threshold": 2},
+     "spec_threshold must be a number in [0, 1], got 2.0"),
+    ("invalid UTF-8", b"abc\xff\xfe def", {"max_tokens": 4}, "text_input is not valid UTF-8: invalid start byte at byte 3"),
 ]
+GOOD = ("hi there", {"max_tokens": 6})
+
+
+@pytest.fixture(scope="module")
+def good_output(llama):
+    return llama.client().generate(*GOOD).text
+
+
+def _http_generate(dep, prompt, params) -> tuple[int, str]:
+    body = {} if prompt is None else {"text_input": prompt}
+    body["sampling_parameters"] = params if isinstance(params, str) else json.dumps(params)
+    try:
+        with urllib.request.urlopen(_post(f"http://{dep.server.http_url}/v2/models/llm/generate", body),
+                                    timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
 
 
 @pytest.mark.parametrize("name,prompt,params,message", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
-def test_bad_input_gets_an_error_and_the_server_keeps_serving(llama, name, prompt, params, message):
+def test_bad_input_gets_its_error_over_grpc_and_the_next_request_is_unchanged(llama, good_output, name, prompt,
+                                                                              params, message):
     client = llama.client()
     with pytest.raises(CompletionError) as err:
-        client.generate(prompt, params)
-    assert message in str(err.value)
-    ok = client.generate("hi there", {"max_tokens": 3})
-    assert ok.num_output_tokens == 3 and ok.finish_reason == "length"
+        client.generate(prompt, params, timeout=30)
+    assert str(err.value).startswith(f"in ensemble 'llm', {message}"), str(err.value)
+    assert client.generate(*GOOD).text == good_output
+
+
+@pytest.mark.parametrize("name,prompt,params,message",
+                         [b for b in BAD_INPUTS if isinstance(b[1], (str, type(None)))],
+                         ids=[b[0] for b in BAD_INPUTS if isinstance(b[1], (str, type(None)))])
+def test_bad_input_gets_its_error_over_http_and_the_next_request_is_unchanged(llama, good_output, name, prompt,
+                                                                              params, message):
+    status, body = _http_generate(llama, prompt, params)
+    assert status == 400 and message in json.loads(body)["error"], (status, body)
+    status, body = _http_generate(llama, *GOOD)
+    assert status == 200 and json.loads(body)["text_output"] == GOOD[0] + good_output
+
+
+def _raw_grpc_error(dep, inputs, *, stream: bool = True) -> str:
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+    client = grpcclient.InferenceServerClient(dep.server.grpc_url)
+    if not stream:
+        with pytest.raises(InferenceServerException) as err:
+            client.infer("llm", inputs, timeout=30)
+        return err.value.message()
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        client.async_stream_infer("llm", inputs)
+        result, error = results.get(timeout=30)
+    finally:
+        client.stop_stream()
+    assert error is not None, "no error"
+    return error.message() if hasattr(error, "message") else str(error)
+
+
+def _tensor(name, arr, dtype):
+    import tritonclient.grpc as grpcclient
+    t = grpcclient.InferInput(name, list(arr.shape), dtype)
+    t.set_data_from_numpy(arr)
+    return t
+
+
+def test_malformed_tensors_get_clear_errors(llama, good_output):
+    import numpy as np
+    two = _tensor("text_input", np.array([b"a", b"b"], dtype=object), "BYTES")
+    assert "unexpected shape for input 'text_input' for model 'llm'. Expected [1], got [2]" in \
+        _raw_grpc_error(llama, [two])
+    wrong_type = _tensor("text_input", np.array([7], dtype=np.int64), "INT64")
+    assert "inference input 'text_input' data-type is 'INT64', but model 'llm' expects 'BYTES'" in \
+        _raw_grpc_error(llama, [wrong_type])
+    # The ensemble is decoupled (streaming): a unary call is refused by Triton itself.
+    text = _tensor("text_input", np.array([b"hi"], dtype=object), "BYTES")
+    assert "doesn't support models with decoupled transaction policy" in _raw_grpc_error(llama, [text], stream=False)
+    status, body = 0, ""
+    try:
+        urllib.request.urlopen(urllib.request.Request(f"http://{llama.server.http_url}/v2/models/llm/generate",
+                                                      data=b'{"text_input": "hi", ', method="POST"), timeout=30)
+    except urllib.error.HTTPError as e:
+        status, body = e.code, e.read().decode()
+    # Triton's own HTTP front end answers a malformed body with 500 (not ours to change).
+    assert (status, json.loads(body)["error"]) == (
+        500, "failed to parse the request JSON buffer: Missing a name for object member. at 21"), (status, body)
+    assert llama.client().generate(*GOOD).text == good_output
 
 
 def test_client_cancel_mid_stream_frees_the_slot(deployments):
@@ -278,38 +379,90 @@ def test_http_stream_client_that_disconnects_frees_the_slot(deployments):
     wait_until_aborted(dep, key, before, "the disconnected HTTP client's request still runs")
 
 
-def test_direct_call_to_target_verifier_is_cancelled_by_the_watcher(deployments):
-    """Called without the ensemble, the verifier sees the cancel itself (is_cancelled polling)."""
+def _preprocess(dep, prompt: str, sampling: dict) -> dict:
+    """Call preprocess directly, as any client can: its outputs are signed for this request only."""
     import numpy as np
     import tritonclient.grpc as grpcclient
 
     from specserve.triton import schema
-    from specserve.triton.params import RequestConfig
-    dep = deployments["qwen2"]
-    before = dep.metrics()
+    client = grpcclient.InferenceServerClient(dep.server.grpc_url)
+    inputs = [_tensor(schema.TEXT_INPUT.name, np.array([prompt.encode()], dtype=object), "BYTES"),
+              _tensor(schema.SAMPLING_PARAMETERS.name, np.array([json.dumps(sampling).encode()], dtype=object), "BYTES"),
+              _tensor(schema.STREAM.name, np.array([True]), "BOOL")]
+    out = client.infer(schema.PREPROCESS.name, inputs)
+    return {t.name: out.as_numpy(t.name) for t in schema.PREPROCESS.outputs}
+
+
+def _verifier_stream(dep, tensors: dict):
+    """Start a direct target_verifier stream with the given {name: array} inputs."""
+    import tritonclient.grpc as grpcclient
+    dtypes = {"INT64": "INT64", "STRING": "BYTES"}
+    from specserve.triton import schema
+    specs = {t.name: t for t in schema.TARGET_VERIFIER.inputs}
     client = grpcclient.InferenceServerClient(dep.server.grpc_url)
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
-    ids = grpcclient.InferInput(schema.INPUT_IDS.name, [3], "INT64")
-    ids.set_data_from_numpy(np.array([5, 6, 7], dtype=np.int64))
-    cfg = grpcclient.InferInput(schema.REQUEST_CONFIG.name, [1], "BYTES")
-    cfg.set_data_from_numpy(np.array([RequestConfig(sampling={"max_tokens": 1900}, stream=True).to_json()], dtype=object))
-    client.async_stream_infer(schema.TARGET_VERIFIER.name, [ids, cfg])
-    assert results.get(timeout=60)[1] is None
-    client.stop_stream(cancel_requests=True)
-    key = 'specserve_request_success_total{finished_reason="abort",method="none",tier="default"}'
-    deadline = time.monotonic() + 20
-    while dep.metrics().get(key, 0) <= before.get(key, 0):
-        assert time.monotonic() < deadline, "the direct request was not cancelled"
-        time.sleep(0.2)
+    client.async_stream_infer(schema.TARGET_VERIFIER.name,
+                              [_tensor(k, v, dtypes[specs[k].dtype]) for k, v in tensors.items()])
+    return client, results
 
-    # Without inputs it answers with an error, not a hang.
-    results = queue.Queue()
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    client.async_stream_infer(schema.TARGET_VERIFIER.name, [])
+
+def test_direct_calls_to_target_verifier_get_no_more_than_the_ensemble_allows(deployments):
+    """A client that calls target_verifier itself: unsigned requests are refused; a request that
+    preprocess signed runs exactly like the ensemble's and is cancelled by the watcher when the
+    client goes; and no request id lets it cancel another client's stream."""
+    import numpy as np
+
+    from specserve.triton import schema
+    from specserve.triton.params import RequestConfig
+    dep = deployments["qwen2"]
+
+    # 1. Unsigned (hand-made ids and config): refused.
+    client, results = _verifier_stream(dep, {
+        schema.INPUT_IDS.name: np.array([5, 6, 7], dtype=np.int64),
+        schema.REQUEST_CONFIG.name: np.array([RequestConfig(sampling={"max_tokens": 1900}).to_json().encode()],
+                                             dtype=object)})
     result, error = results.get(timeout=30)
-    assert error is not None and "needs input_ids and request_config" in str(error)
+    assert error is not None and error.message() == (
+        "target_verifier is internal: call the 'llm' ensemble (this request was not prepared by preprocess)")
     client.stop_stream()
+    client, results = _verifier_stream(dep, {})
+    assert results.get(timeout=30)[1].message() == "target_verifier is internal: call the 'llm' ensemble"
+    client.stop_stream()
+
+    # 2. Signed by preprocess: it runs; its response_meta shows the attacker its own request id.
+    before = dep.metrics()
+    attacker, att_results = _verifier_stream(dep, _preprocess(dep, "mine", {"max_tokens": 1900}))
+    result, error = att_results.get(timeout=60)
+    assert error is None
+    own_id = json.loads(result.as_numpy(schema.RESPONSE_META.name).reshape(-1)[0])["request_id"]
+    prefix, n = own_id.rsplit("-", 1)
+
+    # 3. A victim streams through the ensemble; its id is the next one. Cancel attempts with
+    # the guessed id (and a wrong key) are refused, and the victim's output is exactly its solo one.
+    want = dep.client().generate("victim", {"max_tokens": 300})
+    victim_id = f"{prefix}-{int(n) + 2}"   # the solo run above took id n + 1
+    victim: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: victim.put(dep.client().generate("victim", {"max_tokens": 300})),
+                     daemon=True).start()
+    for key in (None, "guess"):
+        tensors = {schema.CANCEL_REQUEST_ID.name: np.array([victim_id.encode()], dtype=object)}
+        if key:
+            tensors[schema.INTERNAL_KEY.name] = np.array([key.encode()], dtype=object)
+        c, r = _verifier_stream(dep, tensors)
+        assert r.get(timeout=30)[1].message() == "cancel_request_id is reserved for the server itself"
+        c.stop_stream()
+        c, r = _verifier_stream(dep, {schema.CONTROL.name: np.array([b"abort"], dtype=object)})
+        assert r.get(timeout=30)[1].message() == "control is reserved for the server itself"
+        c.stop_stream()
+    got = victim.get(timeout=120)
+    assert (got.text, got.num_output_tokens, got.finish_reason) == (want.text, want.num_output_tokens,
+                                                                    want.finish_reason)
+
+    # 4. The attacker's own request is cancelled by the watcher when its client goes.
+    attacker.stop_stream(cancel_requests=True)
+    key = 'specserve_request_success_total{finished_reason="abort",method="none",tier="default"}'
+    wait_until_aborted(dep, key, before, "the direct request was not cancelled")
 
 
 def test_metrics_counters_move(llama):

@@ -131,7 +131,7 @@ def _server(args: argparse.Namespace, checkpoint: Path | None, max_len: int, out
         repo = render_repository(RepositorySettings(checkpoint, max_num_seqs=args.max_num_seqs,
                                                     max_model_len=max_len, drafters=drafters),
                                  work / "model_repository")
-        server = TritonServer(repo, work, Ports.free(), log_file=out / "tritonserver.log", exit_timeout_s=5)
+        server = TritonServer(repo, work, None, log_file=out / "tritonserver.log", exit_timeout_s=5)
         log(f"bench: starting tritonserver (log: {server.log_file})")
         try:
             server.start()

@@ -8,6 +8,11 @@ the step raises ProposerError and the engine decodes those rows plainly; nothing
 the history still holds every feature. Greedy drafts are point masses, so verification stays
 lossless for sampled requests as well.
 
+A drafter that HANGS (rather than refusing) must not hang the engine: every call runs on one
+worker thread and is waited for at most `timeout_s`; past it the step decodes plainly, and while
+that call is still outstanding later steps do not call again (they decode plainly at once). When
+it returns, drafting resumes. Releases are sent on the same worker and never waited for.
+
 `call` performs one round trip: a dict of numpy inputs (DraftBatch fields) → a dict with
 `draft_tokens` [B, K], `accept_prob` [B, K] (optional) and `unknown` [B]. In Triton it wraps a
 BLS request to `eagle_proposal`; in tests it calls the ONNX runtime directly.
@@ -16,6 +21,8 @@ BLS request to `eagle_proposal`; in tests it calls the ONNX runtime directly.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -50,11 +57,18 @@ class RemoteProposer:
     # prompts, speedup over none with probe 2 / 3 / 4 / unbounded: 2.26 / 2.30 / 2.31 / 2.27×.
     PROBE = 4
 
+    # A healthy remote draft round trip takes ~9 ms on the demo model (CPU); a call that takes
+    # longer than this is treated as hung.
+    TIMEOUT_S = 1.0
+
     def __init__(self, name: str, call: Call, *, max_draft_len: int = 8, threshold: float | None = 0.3,
-                 release: Callable[[list[int]], None] | None = None):
+                 release: Callable[[list[int]], None] | None = None, timeout_s: float = TIMEOUT_S):
         self.name, self._call, self._release = name, call, release
         self.max_draft_len, self.threshold = max_draft_len, threshold
+        self.timeout_s = timeout_s
         self._seqs: dict[int, _History] = {}
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"specserve-{name}-bls")
+        self._pending: Future | None = None   # a call that timed out and has not returned yet
 
     def _batch(self, requests: list[DraftRequest], rows: list[int], *, reprime: bool) -> dict[str, np.ndarray]:
         B = len(rows)
@@ -90,14 +104,40 @@ class RemoteProposer:
         return min(cap, kept + self.PROBE)
 
     def _round_trip(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self._pending is not None:
+            if not self._pending.done():
+                raise ProposerError(f"{self.name}: the remote drafter has not answered an earlier call yet")
+            self._pending = None
+        future = self._worker.submit(self._call, batch)
         try:
-            return self._call(batch)
+            return future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            self._pending = future
+            raise ProposerError(f"{self.name}: the remote drafter did not answer within {self.timeout_s:g} s") from None
         except ProposerError:
             raise
         except Exception as e:  # noqa: BLE001 — a failed remote call means "no draft this step"
             raise ProposerError(f"{self.name}: remote drafter call failed: {e}") from e
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        # The engine's contract: a proposer that raises has not consumed the features it was
+        # given (the engine sends them again next step), so undo what this call appended.
+        before = {r.seq_id: (len(h.features), h.length) for r in requests if (h := self._seqs.get(r.seq_id))}
+        try:
+            return self._propose(requests)
+        except Exception:
+            for r in requests:
+                h = self._seqs.get(r.seq_id)
+                if h is None:
+                    continue
+                if r.seq_id in before:
+                    n, h.length = before[r.seq_id]
+                    del h.features[n:]
+                else:
+                    del self._seqs[r.seq_id]
+            raise
+
+    def _propose(self, requests: list[DraftRequest]) -> list[Draft]:
         for r in requests:
             h = self._seqs.setdefault(r.seq_id, _History())
             if r.features is not None and r.features.shape[0]:
@@ -150,7 +190,14 @@ class RemoteProposer:
 
     def release(self, seq_id: int) -> None:
         if self._seqs.pop(seq_id, None) is not None and self._release is not None:
-            try:
-                self._release([seq_id])
-            except Exception as e:  # noqa: BLE001 — an unloaded drafter has no state to free
-                log.info("%s: release of sequence %d not delivered (%s)", self.name, seq_id, e)
+            self._worker.submit(self._release_quietly, seq_id)
+
+    def flush(self) -> None:
+        """Wait until every call and release sent so far has run (tests, shutdown)."""
+        self._worker.submit(lambda: None).result()
+
+    def _release_quietly(self, seq_id: int) -> None:
+        try:
+            self._release([seq_id])
+        except Exception as e:  # noqa: BLE001 — an unloaded drafter has no state to free
+            log.info("%s: release of sequence %d not delivered (%s)", self.name, seq_id, e)

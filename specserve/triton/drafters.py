@@ -9,6 +9,9 @@
 in a served repository (work_dirs/serve/model_repository for `specserve serve`); with --load,
 or a later `load eagle_proposal`, Triton switches to it while streams keep running.
 
+Model control is admin-only (auth.py): every command sends the admin key, from
+$SPECSERVE_ADMIN_KEY or the key file `specserve serve` wrote (<work dir>/admin_key).
+
 Unloading a drafter never fails a request: the engine decodes the affected sequences plainly
 while it is gone and re-primes them when it is back (specserve/proposers/remote.py).
 """
@@ -17,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+from specserve.triton.auth import grpc_headers
 
 # The models an operator may load / unload: remote proposal ensembles and their parts. The
 # engine (target_verifier) and the llm ensembles are not drafters and are refused.
@@ -41,11 +46,11 @@ def _client(url: str):
     return grpcclient.InferenceServerClient(url)
 
 
-def list_models(url: str) -> list[ModelState]:
+def list_models(url: str, admin_key: str | None = None) -> list[ModelState]:
     from tritonclient.utils import InferenceServerException
 
     try:
-        index = _client(url).get_model_repository_index(as_json=True).get("models", [])
+        index = _client(url).get_model_repository_index(as_json=True, headers=grpc_headers(admin_key)).get("models", [])
     except InferenceServerException as e:
         raise DrafterError(f"cannot reach Triton at {url}: {e.message()}") from None
     return [ModelState(m["name"], m.get("version", ""), m.get("state", ""), m.get("reason", ""))
@@ -62,7 +67,7 @@ def _check_name(name: str) -> None:
 PARTS = {"eagle_proposal": ("eagle_backbone", "calibration_head")}
 
 
-def load(url: str, name: str) -> None:
+def load(url: str, name: str, admin_key: str | None = None) -> None:
     """Load (or reload, picking up a new version directory) a drafter model."""
     from tritonclient.utils import InferenceServerException
 
@@ -70,7 +75,7 @@ def load(url: str, name: str) -> None:
     client = _client(url)
     for model in (*PARTS.get(name, ()), name):
         try:
-            client.load_model(model)
+            client.load_model(model, headers=grpc_headers(admin_key))
         except InferenceServerException as e:
             raise DrafterError(f"loading {model} failed: {e.message()}") from None
 
@@ -91,12 +96,12 @@ def publish(target: Path, drafter: Path, repository: Path) -> int:
     return version
 
 
-def unload(url: str, name: str) -> None:
+def unload(url: str, name: str, admin_key: str | None = None) -> None:
     from tritonclient.utils import InferenceServerException
 
     _check_name(name)
     try:
         # unload_dependents: unloading eagle_proposal also unloads its two composing models.
-        _client(url).unload_model(name, unload_dependents=True)
+        _client(url).unload_model(name, unload_dependents=True, headers=grpc_headers(admin_key))
     except InferenceServerException as e:
         raise DrafterError(f"unloading {name} failed: {e.message()}") from None

@@ -76,6 +76,7 @@ class EngineSettings:
     # Where the target, its KV pool, fused drafters and the static step's state live:
     # auto (CUDA when available), cpu, cuda or cuda:N.
     device: str = "auto"
+    max_queue_len: int = 128   # requests waiting for a slot, at most (EngineConfig.max_queue_len)
 
 
 def static_methods(drafters: tuple[tuple[str, str], ...]) -> list[str]:
@@ -158,7 +159,8 @@ def build_engine(settings: EngineSettings):
                        device=resolve_device(settings.device))
     max_len = settings.max_model_len or default_max_model_len(settings.checkpoint)
     config = EngineConfig(max_num_seqs=settings.max_num_seqs, max_model_len=max_len,
-                          max_draft_len=settings.max_draft_len, default_method=settings.default_method)
+                          max_draft_len=settings.max_draft_len, default_method=settings.default_method,
+                          max_queue_len=settings.max_queue_len)
     proposers = {name: make() for name, make in PROPOSERS.items()}
     for method, folder in settings.drafters:
         proposers[method] = _drafted(method, folder, model, settings, max_len)

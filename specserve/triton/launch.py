@@ -14,6 +14,14 @@ needs (DESIGN.md §7) are written down once:
 
 In the NGC container `/opt/tritonserver` exists and carries its own backends and stub; we use it
 as it is.
+
+Ports: a probed free port can be taken by another process before tritonserver binds it (tests
+start several servers at once). A TritonServer made without ports picks free ones and, when the
+server exits because one was taken meanwhile, starts again on fresh ones; one made with fixed
+ports (`specserve serve`) reports the clash.
+
+Every server closes Triton's administrative endpoints to ordinary clients (auth.py): the admin
+key is the server's `admin_key`, sent as a header by `specserve drafters` and the tests.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from specserve.triton.auth import grpc_headers, new_key, restricted_api_args
 
 NGC_ROOT = Path("/opt/tritonserver")
 
@@ -146,18 +156,34 @@ class Ports:
                 s.close()
 
 
+# What tritonserver logs when a port it was given is taken.
+_PORT_TAKEN = ("already in use", "Failed to bind", "failed to start")
+PORT_RETRIES = 8
+
+
 @dataclass
 class TritonServer:
     """One tritonserver process serving `repository`; use as a context manager or start()/stop()."""
 
     repository: Path
     work_dir: Path
-    ports: Ports
+    ports: Ports | None = None        # None: free ports, chosen again if one is taken (needs log_file)
     log_file: Path | None = None      # None: inherit stdout/stderr (the CLI's foreground mode)
     log_verbose: int = 0
     exit_timeout_s: int = 30              # how long shutdown waits for in-flight requests
     extra_args: list[str] = field(default_factory=list)
+    admin_key: str = field(default_factory=new_key, repr=False)
     process: subprocess.Popen | None = None
+
+    def __post_init__(self) -> None:
+        self._auto_ports = self.ports is None
+        if self._auto_ports:
+            self.ports = Ports.free()
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """gRPC headers that open the administrative endpoints (tritonclient's `headers=`)."""
+        return grpc_headers(self.admin_key)
 
     def command(self) -> list[str]:
         return [str(find_tritonserver()),
@@ -169,6 +195,7 @@ class TritonServer:
                 # A model that fails to load must fail the server, not leave it half-serving.
                 "--exit-on-error=true", "--strict-readiness=true",
                 f"--exit-timeout-secs={self.exit_timeout_s}",
+                *restricted_api_args(self.admin_key),
                 f"--log-verbose={self.log_verbose}", *self.extra_args]
 
     def start(self) -> "TritonServer":
@@ -204,17 +231,42 @@ class TritonServer:
             return False
 
     def wait_ready(self, timeout: float = 180.0) -> None:
-        """Block until every model is ready; raise ServerStartError if the server dies or times out."""
+        """Block until every model is ready; raise ServerStartError if the server dies or times out.
+        A server on automatic ports that lost one of them to another process starts again on
+        fresh ports."""
         deadline = time.monotonic() + timeout
+        retries = 0
         while time.monotonic() < deadline:
             code = self.process.poll() if self.process else None
             if code is not None:
+                if self._auto_ports and retries < PORT_RETRIES and self._lost_a_port():
+                    retries += 1
+                    self.ports = Ports.free()
+                    self.start()
+                    continue
                 raise ServerStartError(f"tritonserver exited with code {code} before it was ready"
                                        + self._log_hint())
             if self.is_ready():
-                return
+                # A taken metrics port does not stop tritonserver: it serves without metrics.
+                if not self._lost_a_port():
+                    return
+                if not (self._auto_ports and retries < PORT_RETRIES):
+                    self.stop()
+                    raise ServerStartError("tritonserver could not bind one of its ports" + self._log_hint())
+                retries += 1
+                self.stop()
+                self.ports = Ports.free()
+                self.start()
+                continue
             time.sleep(0.5)
         raise ServerStartError(f"tritonserver was not ready after {timeout:.0f} s" + self._log_hint())
+
+    def _lost_a_port(self) -> bool:
+        if self.log_file is None or not self.log_file.exists():
+            return False
+        ports = [str(p) for p in (self.ports.http, self.ports.grpc, self.ports.metrics)]
+        return any(any(p in line for p in _PORT_TAKEN) and any(f":{port}" in line for port in ports)
+                   for line in self.log_file.read_text(errors="replace").splitlines())
 
     def _log_hint(self) -> str:
         if self.log_file is None or not self.log_file.exists():

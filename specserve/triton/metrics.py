@@ -31,6 +31,8 @@ _COUNTERS = {
     "requests": ("specserve_request_success_total", "Finished requests, by finish reason."),
     "prompt_tokens": ("specserve_prompt_tokens_total", "Prompt tokens prefilled."),
     "generation_tokens": ("specserve_generation_tokens_total", "Tokens generated."),
+    "rejected": ("specserve_request_rejected_total",
+                 "Requests refused at submission, by reason (busy: queue full; invalid; draining)."),
 }
 _HISTOGRAMS = {
     "ttft": ("specserve_time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS),
@@ -38,7 +40,13 @@ _HISTOGRAMS = {
              "Mean time per output token after the first, per request, in seconds.", TPOT_BUCKETS),
 }
 
-RUNNING = ("specserve_num_requests_running", "Requests holding or waiting for a KV slot in the engine.")
+# Gauges. Running counts the engine's running requests, slots_used the KV slots allocated: the two
+# are equal unless a slot leaks, which is what makes a leak visible.
+_GAUGES = {
+    "running": ("specserve_num_requests_running", "Requests running in the engine (holding a KV slot)."),
+    "waiting": ("specserve_num_requests_waiting", "Requests queued for a KV slot (the admission queue)."),
+    "slots_used": ("specserve_num_slots_used", "KV slots allocated."),
+}
 
 
 class TritonMetrics:
@@ -50,7 +58,8 @@ class TritonMetrics:
                           for key, (name, desc) in _COUNTERS.items()}
         self._families.update({key: fam(name=name, description=desc, kind=fam.HISTOGRAM)
                                for key, (name, desc, _) in _HISTOGRAMS.items()})
-        self._families["running"] = fam(name=RUNNING[0], description=RUNNING[1], kind=fam.GAUGE)
+        self._families.update({key: fam(name=name, description=desc, kind=fam.GAUGE)
+                               for key, (name, desc) in _GAUGES.items()})
         self._buckets = {key: b for key, (_, _, b) in _HISTOGRAMS.items()}
         self._metrics: dict[tuple, Any] = {}
         self._queue: queue.Queue = queue.Queue()
@@ -79,8 +88,12 @@ class TritonMetrics:
         if time_per_output_token is not None:
             self._queue.put(("tpot", labels, "observe", time_per_output_token))
 
-    def running(self, n: int) -> None:
-        self._queue.put(("running", {}, "set", n))
+    def state(self, running: int, waiting: int, slots_used: int) -> None:
+        for key, n in (("running", running), ("waiting", waiting), ("slots_used", slots_used)):
+            self._queue.put((key, {}, "set", n))
+
+    def rejected(self, reason: str) -> None:
+        self._inc("rejected", {"reason": reason}, 1)
 
     def close(self) -> None:
         self._queue.put(None)

@@ -1,29 +1,57 @@
-"""preprocess: text → token ids, and the request's flags and sampling parameters → RequestConfig."""
+"""preprocess: text → token ids, and the request's flags and sampling parameters → RequestConfig,
+signed for target_verifier (auth.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
+from specserve.triton.auth import sign
 from specserve.triton.params import BadRequest, RequestConfig, make_request_config
+
+# A normalizer (NFKC, say) may map several bytes of text to fewer; this bounds that contraction.
+NORMALIZER_SLACK = 4
 
 
 @dataclass(frozen=True)
 class Prepared:
     input_ids: list[int]
     config: RequestConfig
+    config_json: str
+    signature: str
+
+
+def max_prompt_bytes(tokenizer, max_model_len: int) -> int:
+    """The most UTF-8 bytes a prompt that fits `max_model_len` tokens can have, so a larger one is
+    refused before tokenizing it (tokenizing megabytes takes seconds of the shared CPU).
+
+    Each token covers at most as many bytes of text as its vocabulary string has (byte-level BPE
+    writes each byte as one character; sentencepiece's '▁' stands for one space; byte-fallback
+    tokens '<0xE4>' for one byte), so the bound never refuses a prompt that fits."""
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    longest = max(len(tok.encode("utf-8")) for tok in vocab)
+    slack = NORMALIZER_SLACK if tokenizer.normalizer is not None else 1
+    return max_model_len * longest * slack
 
 
 class Preprocessor:
-    def __init__(self, checkpoint: str | Path, tier: str = "default"):
+    def __init__(self, checkpoint: str | Path, tier: str = "default", *, max_model_len: int | None = None,
+                 internal_key: str = ""):
         from specserve.triton.tokenizer import load_tokenizer
         self.tokenizer = load_tokenizer(checkpoint)
         self.tier = tier
+        self.max_model_len = max_model_len
+        self.max_bytes = None if max_model_len is None else max_prompt_bytes(self.tokenizer, max_model_len)
+        self.key = internal_key
 
     def __call__(self, text: str | bytes | None, stream: bool | None, sampling_parameters: str | bytes | None,
                  exclude_input_in_output: bool | None) -> Prepared:
         if text is None:
             raise BadRequest("missing required input 'text_input'")
+        size = len(text) if isinstance(text, bytes) else len(text.encode("utf-8", "surrogatepass"))
+        if self.max_bytes is not None and size > self.max_bytes:
+            raise BadRequest(f"text_input is {size} bytes, more than any prompt that fits the model length "
+                             f"{self.max_model_len} can have ({self.max_bytes} bytes); refused before tokenizing")
         if isinstance(text, bytes):
             try:
                 text = text.decode("utf-8")
@@ -35,4 +63,5 @@ class Preprocessor:
         # add_special_tokens: the checkpoint's post-processor adds BOS where the model expects
         # it, as transformers' tokenizer(text) does.
         ids = self.tokenizer.encode(text, add_special_tokens=True).ids
-        return Prepared(ids, config)
+        config_json = config.to_json()
+        return Prepared(ids, config, config_json, sign(self.key, ids, config_json))

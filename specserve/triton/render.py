@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from specserve.triton import schema
+from specserve.triton.auth import new_key
 from specserve.triton.schema import ModelSpec, TensorSpec
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "model_repository"
@@ -42,6 +43,10 @@ class RepositorySettings:
     dtype: str = "float32"
     drafter_dtype: str = "auto"
     device: str = "auto"  # the engine's device: auto | cpu | cuda[:N] (factory.resolve_device)
+    max_queue_len: int = 128
+    # Signs preprocess → target_verifier and authorises internal calls (auth.py). A fresh one per
+    # rendering; Triton's model-config endpoint, which would show it, is admin-only.
+    internal_key: str = field(default_factory=new_key, repr=False)
 
 
 def encode_drafters(drafters: tuple[tuple[str, str], ...]) -> str:
@@ -106,7 +111,9 @@ def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
         shutil.rmtree(repo)
     ckpt = str(Path(settings.checkpoint).resolve())
     params = {
-        schema.PREPROCESS.name: {"checkpoint": ckpt, "tier": settings.tier},
+        schema.PREPROCESS.name: {"checkpoint": ckpt, "tier": settings.tier,
+                                 "max_model_len": settings.max_model_len,
+                                 "internal_key": settings.internal_key},
         schema.TARGET_VERIFIER.name: {"checkpoint": ckpt, "max_num_seqs": settings.max_num_seqs,
                                       "max_model_len": settings.max_model_len,
                                       "max_draft_len": settings.max_draft_len,
@@ -116,8 +123,10 @@ def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
                                       "drafter_dtype": settings.drafter_dtype,
                                       "device": settings.device,
                                       "spec_threshold": "" if settings.spec_threshold is None
-                                      else settings.spec_threshold},
-        schema.POSTPROCESS.name: {"checkpoint": ckpt},
+                                      else settings.spec_threshold,
+                                      "max_queue_len": settings.max_queue_len,
+                                      "internal_key": settings.internal_key},
+        schema.POSTPROCESS.name: {"checkpoint": ckpt, "internal_key": settings.internal_key},
     }
     for spec in schema.ENSEMBLE_STEPS:
         src = TEMPLATES / spec.name / "1" / "model.py"

@@ -14,6 +14,9 @@ text_output / num_input_tokens / num_output_tokens / finish_reason out) plus our
 Every internal tensor name is unique across the ensemble, so a step's input_map / output_map maps
 each name to itself.
 
+Internal calls (see auth.py): preprocess signs (input_ids, request_config) into `signature`;
+cancel_request_id and control requests carry `internal_key`. Clients never see either key.
+
 Cancellation: Triton 2.51 does not pass an ensemble request's cancellation to a step already in
 flight (target_verifier), only to steps scheduled after it. So postprocess, which is scheduled
 for every streamed response, is the one that sees it; it then sends target_verifier a request
@@ -72,6 +75,13 @@ READ_OFFSET = TensorSpec("read_offset", "INT32", (1,))
 FLUSH = TensorSpec("flush", "BOOL", (1,))
 RESPONSE_META = TensorSpec("response_meta", "STRING", (1,))    # JSON of detokenize.ResponseMeta
 CANCEL_REQUEST_ID = TensorSpec("cancel_request_id", "STRING", (1,), optional=True)
+# The request's signature from preprocess (see auth.py); carried beside request_config.
+SIGNATURE = TensorSpec("signature", "STRING", (1,))
+# Server-internal calls to target_verifier (postprocess's cancel, specserve serve's shutdown
+# controls) carry the deployment's internal key; CONTROL is "drain" | "abort" | "status".
+INTERNAL_KEY = TensorSpec("internal_key", "STRING", (1,), optional=True)
+CONTROL = TensorSpec("control", "STRING", (1,), optional=True)
+CONTROLS = ("drain", "abort", "status")
 
 
 @dataclass(frozen=True)
@@ -82,10 +92,10 @@ class ModelSpec:
     decoupled: bool = False
 
 
-PREPROCESS = ModelSpec("preprocess", ENSEMBLE_INPUTS, (INPUT_IDS, REQUEST_CONFIG))
+PREPROCESS = ModelSpec("preprocess", ENSEMBLE_INPUTS, (INPUT_IDS, REQUEST_CONFIG, SIGNATURE))
 TARGET_VERIFIER = ModelSpec("target_verifier",
                             (replace(INPUT_IDS, optional=True), replace(REQUEST_CONFIG, optional=True),
-                             CANCEL_REQUEST_ID),
+                             replace(SIGNATURE, optional=True), CANCEL_REQUEST_ID, INTERNAL_KEY, CONTROL),
                             (TOKEN_WINDOW, READ_OFFSET, FLUSH, RESPONSE_META), decoupled=True)
 POSTPROCESS = ModelSpec("postprocess", (TOKEN_WINDOW, READ_OFFSET, FLUSH, RESPONSE_META), ENSEMBLE_OUTPUTS)
 ENSEMBLE = ModelSpec("llm", ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS)

@@ -5,12 +5,15 @@ thread (EngineLoop) produces RequestOutputs; `_on_output` turns each into a resp
 token window for the stateless postprocess (see detokenize.py), with the final flag on the last.
 
 Cancellation reaches the engine two ways, and both end in `engine.cancel`, which frees the KV slot
-at once and yields a final "abort" output, answered with a bare final flag:
+at once and yields a final "abort" output, answered with a bare final flag (the client is gone):
   * through the ensemble, postprocess notices the cancelled request and calls `cancel(id)` (by
     BLS; Triton 2.51 does not flag the in-flight target_verifier request itself);
   * for direct calls to target_verifier, a watcher thread polls the sender's `is_cancelled`
     (an IPC round trip, too costly to ask on every engine step).
 A send that raises (client gone) cancels the request too.
+
+A request the ENGINE ends early (an error in its row, the drain time running out at shutdown)
+always gets an error response saying why, never something that looks like a normal completion.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from specserve.engine import Engine, GenerationRequest, RequestOutput, RequestRejected
-from specserve.engine_loop import EngineLoop
+from specserve.engine import (FINISH_ABORT, FINISH_ERROR, Engine, GenerationRequest, RequestOutput,
+                              RequestRejected, ServerBusy)
+from specserve.engine_loop import EngineLoop, LoopState
 from specserve.sampling import SamplingParams
 from specserve.triton.detokenize import ResponseMeta, TokenWindow, make_window
 from specserve.triton.params import RequestConfig
@@ -55,7 +59,8 @@ class MetricsSink(Protocol):
     def first_token(self, method: str, tier: str, seconds: float) -> None: ...
     def finished(self, method: str, tier: str, reason: str, num_prompt: int, num_output: int,
                  time_per_output_token: float | None) -> None: ...
-    def running(self, n: int) -> None: ...
+    def state(self, running: int, waiting: int, slots_used: int) -> None: ...
+    def rejected(self, reason: str) -> None: ...   # "busy" | "invalid" | "draining"
 
 
 @dataclass
@@ -96,7 +101,8 @@ class VerifierService:
         # Ids unique across reloads of this model too: postprocess remembers ids it cancelled.
         self._prefix = uuid.uuid4().hex[:8]
         self._stopping = threading.Event()
-        self.loop = EngineLoop(engine, self._on_output, self._on_failure).start()
+        self._draining = False
+        self.loop = EngineLoop(engine, self._on_output, self._on_failure, self._on_state).start()
         self.engine: Engine = self.loop.engine
         self._watcher = threading.Thread(target=self._watch_cancellations, name="specserve-cancel",
                                          daemon=True)
@@ -119,15 +125,31 @@ class VerifierService:
             self._streams[rid] = stream
         try:
             self.loop.submit(req)
-        except Exception:
+        except Exception as e:
             with self._lock:
                 del self._streams[rid]
+            if self.metrics is not None and isinstance(e, RequestRejected):
+                reason = "busy" if isinstance(e, ServerBusy) else "draining" if self._draining else "invalid"
+                _quietly(self.metrics.rejected, reason)
             raise
-        self._report_running()
+        self._on_state(self.loop.state())
         return rid
 
     def cancel(self, request_id: str) -> None:
+        """The client of `request_id` has gone (postprocess saw its cancellation)."""
         self.loop.cancel(request_id)
+
+    # -- shutdown (specserve serve's SIGTERM handling, through the control input) ---------------
+    def drain(self) -> None:
+        """Refuse new requests; those in flight go on to their end."""
+        self._draining = True
+        self.loop.drain("the server is shutting down and accepts no new requests; retry on another replica")
+
+    def abort_all(self, message: str) -> int:
+        """End every request in flight with an error saying `message`; returns how many."""
+        n = self.loop.num_live
+        self.loop.cancel_all(message)
+        return n
 
     @property
     def num_live(self) -> int:
@@ -157,11 +179,17 @@ class VerifierService:
                 _quietly(self.metrics.first_token, s.method, s.config.tier, now - s.arrived)
         s.tokens.extend(out.new_token_ids)
         self._report_spec(s, out)
-        if out.finish_reason == "abort":
+        if out.finish_reason == FINISH_ABORT and out.error is None:
             # Cancelled by the client (or by us when a send failed): nobody reads the stream any
             # more, but Triton still needs the final flag to retire the request. A bare flag,
-            # not an error response: an error from a step leaves the ensemble request in flight.
+            # not an error response: an error from a step leaves the cancelled ensemble request
+            # in flight.
             s.final(s.sender.close)
+            self._report_finish(s, out, now)
+            return
+        if out.finish_reason in (FINISH_ABORT, FINISH_ERROR):
+            # Ended by the engine: the client is still there and must hear why.
+            s.final(s.sender.send_error, out.error or "the engine ended this request")
             self._report_finish(s, out, now)
             return
         if not (s.config.stream or out.finished):
@@ -189,7 +217,6 @@ class VerifierService:
             s = self._streams.pop(request_id, None)
         if s is not None:
             s.final(s.sender.send_error, f"the engine failed while running this request: {error}")
-            self._report_running()
 
     # -- cancellation ----------------------------------------------------------------------------
     def _watch_cancellations(self) -> None:
@@ -221,14 +248,14 @@ class VerifierService:
             _quietly(self.metrics.spec_step, s.method, s.config.tier, *delta, delta_pos)
         s.reported, s.reported_per_position = now, per_pos
 
-    def _report_running(self) -> None:
+    def _on_state(self, state: LoopState) -> None:
         if self.metrics is not None:
-            _quietly(self.metrics.running, self.num_live)
+            _quietly(self.metrics.state, state.running, state.waiting, self.engine.cfg.max_num_seqs
+                     - self.engine.num_free_slots)
 
     def _report_finish(self, s: _Stream, out: RequestOutput, now: float) -> None:
         if self.metrics is None:
             return
-        self._report_running()
         tpot = None
         if s.first_token_at is not None and out.num_output_tokens > 1:
             tpot = (now - s.first_token_at) / (out.num_output_tokens - 1)

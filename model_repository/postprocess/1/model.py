@@ -17,7 +17,9 @@ from specserve.triton.tokenizer import load_tokenizer, make_decode
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.decode = make_decode(load_tokenizer(pb.model_parameters(args)["checkpoint"]))
+        params = pb.model_parameters(args)
+        self.decode = make_decode(load_tokenizer(params["checkpoint"]))
+        self.key = params["internal_key"]  # authorises the cancel (auth.py)
         # Responses already in flight keep arriving after a cancel; tell the engine once.
         self.cancelled = deque(maxlen=1024)
 
@@ -25,8 +27,9 @@ class TritonPythonModel:
         if request_id in self.cancelled:
             return
         self.cancelled.append(request_id)
-        cancel = pb_utils.Tensor(schema.CANCEL_REQUEST_ID.name, np.array([request_id.encode()], dtype=np.object_))
-        bls = pb_utils.InferenceRequest(model_name=schema.TARGET_VERIFIER.name, inputs=[cancel],
+        inputs = [pb_utils.Tensor(spec.name, np.array([value.encode()], dtype=np.object_))
+                  for spec, value in ((schema.CANCEL_REQUEST_ID, request_id), (schema.INTERNAL_KEY, self.key))]
+        bls = pb_utils.InferenceRequest(model_name=schema.TARGET_VERIFIER.name, inputs=inputs,
                                         requested_output_names=[])
         for response in bls.exec(decoupled=True):  # drains the one empty, final response
             if response.has_error():  # the client is gone either way: log, don't fail

@@ -7,7 +7,8 @@ from specserve.triton.preprocess import Preprocessor
 class TritonPythonModel:
     def initialize(self, args):
         params = pb.model_parameters(args)
-        self.pre = Preprocessor(params["checkpoint"], tier=params.get("tier", "default"))
+        self.pre = Preprocessor(params["checkpoint"], tier=params.get("tier", "default"),
+                                max_model_len=int(params["max_model_len"]), internal_key=params["internal_key"])
 
     def execute(self, requests):
         responses = []
@@ -18,7 +19,8 @@ class TritonPythonModel:
                                pb.input_scalar(request, schema.SAMPLING_PARAMETERS),
                                pb.input_scalar(request, schema.EXCLUDE_INPUT_IN_OUTPUT))
                 responses.append(pb.response({schema.INPUT_IDS: out.input_ids,
-                                              schema.REQUEST_CONFIG: out.config.to_json()}))
+                                              schema.REQUEST_CONFIG: out.config_json,
+                                              schema.SIGNATURE: out.signature}))
             except ValueError as e:  # BadRequest and malformed tensors: the client's error
                 responses.append(pb.error_response(str(e)))
             except Exception as e:  # noqa: BLE001 — answer this request, keep the others

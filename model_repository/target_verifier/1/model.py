@@ -2,13 +2,19 @@
 
 execute() only queues: each request goes to the engine's continuous batch and its responses are
 streamed back later, from the engine thread, through the request's response sender.
+
+Three kinds of request arrive (see specserve/triton/auth.py for the keys):
+  * a generation request from the ensemble: input_ids + request_config + preprocess's signature;
+  * a cancellation from postprocess (cancel_request_id + internal_key);
+  * a shutdown control from `specserve serve` (control + internal_key): drain | abort | status.
 """
 
+import json
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
-from specserve.triton import pb, schema
+from specserve.triton import auth, pb, schema
 from specserve.triton.factory import EngineSettings, build_engine
 from specserve.triton.metrics import TritonMetrics
 from specserve.triton.params import RequestConfig
@@ -16,8 +22,8 @@ from specserve.triton.render import decode_drafters
 from specserve.triton.service import VerifierResponse, VerifierService
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-# This model's own input specs: input_ids / request_config are optional here (see schema.py).
-INPUT_IDS, REQUEST_CONFIG, CANCEL_REQUEST_ID = schema.TARGET_VERIFIER.inputs
+# This model's own input specs (all optional here; see schema.py), by name.
+IN = {t.name: t for t in schema.TARGET_VERIFIER.inputs}
 
 
 class _Sender:
@@ -33,6 +39,11 @@ class _Sender:
                                        schema.RESPONSE_META: r.meta.to_json()}),
                           flags=FINAL if r.final else 0)
 
+    def send_json(self, payload: dict) -> None:
+        """The answer to a control request: its JSON in response_meta, final."""
+        self._sender.send(pb.response({schema.TOKEN_WINDOW: [], schema.READ_OFFSET: 0, schema.FLUSH: True,
+                                       schema.RESPONSE_META: json.dumps(payload)}), flags=FINAL)
+
     def send_error(self, message: str) -> None:
         self._sender.send(pb.error_response(message), flags=FINAL)
 
@@ -47,13 +58,15 @@ class TritonPythonModel:
     def initialize(self, args):
         pb.route_logging()
         p = pb.model_parameters(args)
+        self.key = p["internal_key"]
         settings = EngineSettings(checkpoint=Path(p["checkpoint"]), max_num_seqs=int(p["max_num_seqs"]),
                                   max_model_len=int(p["max_model_len"]), max_draft_len=int(p["max_draft_len"]),
                                   default_method=p["default_method"],
                                   drafters=decode_drafters(p.get("drafters", "")),
                                   placement=p.get("placement", "fused"), dtype=p.get("dtype", "float32"),
                                   drafter_dtype=p.get("drafter_dtype", "auto"), device=p.get("device", "auto"),
-                                  spec_threshold=float(p["spec_threshold"]) if p.get("spec_threshold") else None)
+                                  spec_threshold=float(p["spec_threshold"]) if p.get("spec_threshold") else None,
+                                  max_queue_len=int(p.get("max_queue_len", 128)))
         self.metrics = TritonMetrics(pb_utils)
         # Built on the engine's own thread: a model loaded on another thread decodes slower.
         self.service = VerifierService(lambda: build_engine(settings)[0], self.metrics)
@@ -62,20 +75,46 @@ class TritonPythonModel:
         for request in requests:
             sender = _Sender(request)
             try:
-                cancel = pb.input_scalar(request, CANCEL_REQUEST_ID)
-                if cancel is not None:  # from postprocess: the client of that request has gone
-                    self.service.cancel(cancel.decode("utf-8"))
-                    sender.close()
-                    continue
-                ids, config = pb.input_array(request, INPUT_IDS), pb.input_scalar(request, REQUEST_CONFIG)
-                if ids is None or config is None:
-                    raise ValueError("target_verifier needs input_ids and request_config (or cancel_request_id)")
-                self.service.submit([int(t) for t in ids], RequestConfig.from_json(config), sender)
-            except ValueError as e:  # RequestRejected and malformed tensors: the client's error
+                self._handle(request, sender)
+            except ValueError as e:  # RequestRejected, AuthError and malformed tensors: the client's error
                 sender.send_error(str(e))
             except Exception as e:  # noqa: BLE001 — every request must get its final response
                 sender.send_error(f"internal error in target_verifier: {type(e).__name__}: {e}")
         return None
+
+    def _handle(self, request, sender: _Sender) -> None:
+        cancel = pb.input_scalar(request, IN[schema.CANCEL_REQUEST_ID.name])
+        control = pb.input_scalar(request, IN[schema.CONTROL.name])
+        if cancel is not None or control is not None:
+            auth.check_key(self.key, pb.input_scalar(request, IN[schema.INTERNAL_KEY.name]),
+                           "cancel_request_id" if cancel is not None else "control")
+        if cancel is not None:  # from postprocess: the client of that request has gone
+            self.service.cancel(cancel.decode("utf-8"))
+            sender.close()
+            return
+        if control is not None:
+            sender.send_json(self._control(control.decode("utf-8")))
+            return
+        ids = pb.input_array(request, IN[schema.INPUT_IDS.name])
+        config = pb.input_scalar(request, IN[schema.REQUEST_CONFIG.name])
+        signature = pb.input_scalar(request, IN[schema.SIGNATURE.name])
+        if ids is None or config is None:
+            raise ValueError("target_verifier is internal: call the 'llm' ensemble")
+        ids = [int(t) for t in ids.reshape(-1)]
+        config = config.decode("utf-8") if isinstance(config, bytes) else config
+        auth.check_signature(self.key, ids, config,
+                             signature.decode("utf-8") if isinstance(signature, bytes) else (signature or ""))
+        self.service.submit(ids, RequestConfig.from_json(config), sender)
+
+    def _control(self, command: str) -> dict:
+        if command == "drain":
+            self.service.drain()
+        elif command == "abort":
+            self.service.abort_all("the server is shutting down: its drain time ran out before this request "
+                                   "finished")
+        elif command != "status":
+            raise ValueError(f"control must be one of {', '.join(schema.CONTROLS)}, got {command!r}")
+        return {"live": self.service.num_live}
 
     def finalize(self):
         self.service.stop()
