@@ -69,10 +69,14 @@ class DSParkProposer:
     static_step = True
 
     def __init__(self, drafter: EagleDrafter, target: Transformer, *, max_num_seqs: int, max_model_len: int,
-                 max_draft_len: int = 8, threshold: float | None = 0.3, span_set: str = "pow2",
+                 max_draft_len: int = 8, threshold: float | None = 0.3, span_set: str | None = None,
                  graph_mode: str = "auto"):
+        """span_set: static_step.SPAN_SETS; None = "full" on CUDA (one graph per bucket and K, all
+        captured by `warm`), "pow2" on a CPU (measured 2.4x faster there for short contexts)."""
         check_static_model(target)
         self.target, self.drafter = target, drafter
+        if span_set is None:
+            span_set = "full" if target.device.type == "cuda" else "pow2"
         self.max_draft_len, self.span_set = max_draft_len, span_set
         self.max_num_seqs = max_num_seqs
         # The prompt ingest, drafter slots and `valid` bookkeeping are EagleProposer's; one extra

@@ -116,9 +116,8 @@ def _static(method: str, folder: str, model, settings: EngineSettings, max_len: 
     # Share the fused EAGLE proposer's drafter weights when there is one.
     drafter = getattr(base, "drafter", None) or load_eagle(
         folder, model, dtype=resolve_drafter_dtype(settings.drafter_dtype, model))
-    proposer = DSParkProposer(drafter, model, max_num_seqs=settings.max_num_seqs, max_model_len=max_len,
-                              max_draft_len=settings.max_draft_len, threshold=settings.spec_threshold)
-    return proposer
+    return DSParkProposer(drafter, model, max_num_seqs=settings.max_num_seqs, max_model_len=max_len,
+                          max_draft_len=settings.max_draft_len, threshold=settings.spec_threshold)
 
 
 def _drafted(method: str, folder: str, model, settings: EngineSettings, max_len: int) -> "Proposer":
@@ -169,4 +168,8 @@ def build_engine(settings: EngineSettings):
         if folder:
             proposers[method] = _static(method, folder, model, settings, max_len, proposers.get(base))
     engine = Engine(model, config, proposers, detokenize=make_decode(tokenizer))
+    if model.device.type == "cuda":  # capture the static-step graphs now, not on a request's path
+        for proposer in engine.proposers.values():
+            if getattr(proposer, "static_step", False):
+                proposer.warm()
     return engine, tokenizer
