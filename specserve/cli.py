@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from specserve.triton.auth import ADMIN_KEY_ENV, ADMIN_KEY_FILE
+from specserve.draft_policy import POLICIES
 from specserve.triton.factory import DRAFTER_DTYPES, DTYPES
 
 # Kubernetes' terminationGracePeriodSeconds in deploy/k8s must exceed this (tests check it).
@@ -61,6 +62,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drafter-dtype", choices=DRAFTER_DTYPES, default="auto",
                    help="compute dtype of fused drafters (never changes the output, only the speed and the "
                         "acceptance); auto = bfloat16 where the hardware has bf16 matmuls")
+    p.add_argument("--draft-policy", choices=POLICIES, default="adaptive",
+                   help="adaptive: each step drafts the length with the best expected goodput at the current "
+                        "load (verify costs profiled at start), so a busy server drafts less or not at all; "
+                        "fixed: always up to --max-draft-len. A request may choose with draft_policy")
     p.add_argument("--max-queue-len", type=int, default=128,
                    help="requests waiting for a KV slot, at most; beyond it requests are refused at once "
                         "with 'server busy'")
@@ -181,7 +186,7 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
                                   default_method=args.default_method, drafters=drafters,
                                   placement=args.placement, spec_threshold=args.spec_threshold,
                                   dtype=args.dtype, drafter_dtype=args.drafter_dtype, device=args.device,
-                                  max_queue_len=args.max_queue_len)
+                                  max_queue_len=args.max_queue_len, draft_policy=args.draft_policy)
     repo = render_repository(settings, work / "model_repository")
     admin_key = resolve_admin_key(args.admin_key_file, work, create=True)
     # Explicit model control, everything loaded at start: remote drafters are hot-loadable, and
@@ -207,7 +212,7 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
               f"  HTTP     http://{server.http_url}/v2/models/llm/generate  |  /generate_stream\n"
               f"  metrics  {server.metrics_url}\n"
               f"  Ctrl-C to stop", flush=True)
-        code = server.process.wait()
+        code = supervise(server)
     except ServerStartError as e:
         server.stop()
         raise CliError(f"tritonserver did not start: {e}") from None
@@ -229,6 +234,44 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
 
 # tritonserver flags `specserve serve` adds (deploy/k8s and docker-compose must agree; tests check).
 SERVE_TRITON_ARGS = ("--model-control-mode=explicit", "--load-model=*")
+
+
+SUPERVISE_POLL_S = 1.0
+
+
+def supervise(server, poll_s: float = SUPERVISE_POLL_S) -> int:
+    """Wait for tritonserver to exit, keeping `llm` whole meanwhile: when a model it needs is gone
+    (an operator with the admin key unloaded target_verifier, say), Triton would go on reporting
+    the server ready while every request fails. So `llm` is unloaded (the server turns not ready
+    at once) and loaded again, which loads what it needs; the server is ready again when it is.
+    Returns tritonserver's exit code."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    while server.process.poll() is None:
+        time.sleep(poll_s)
+        try:
+            with urllib.request.urlopen(f"http://{server.http_url}/v2/models/llm/ready", timeout=5):
+                continue   # 200: llm and all its steps are ready
+        except urllib.error.HTTPError:
+            pass           # 400: llm has no ready version
+        except OSError:
+            continue       # the server is going away; poll() will tell
+        print("specserve: 'llm' is not ready (a model it needs was unloaded); the server reports not ready "
+              "while it is loaded again", flush=True)
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        try:
+            client.unload_model("llm", headers=server.admin_headers)
+            client.load_model("llm", headers=server.admin_headers)
+            print("specserve: 'llm' is ready again", flush=True)
+        except InferenceServerException as e:
+            print(f"specserve: reloading 'llm' failed ({e.message()}); trying again", flush=True)
+            time.sleep(10 * poll_s)
+    return server.process.returncode
 
 
 def drain(server, internal_key: str, timeout: float, poll_s: float = 0.25) -> int:

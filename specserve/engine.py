@@ -30,6 +30,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from specserve.draft_policy import ALPHA_PRIOR, DRAFT_COST_WEIGHT, POLICIES, choose, update_alpha
 from specserve.kv_cache import KVCache
 from specserve.masks import build_mask
 from specserve.model import ForwardBatch, Transformer
@@ -60,6 +61,10 @@ class EngineConfig:
     # Requests waiting for a slot, at most; beyond it a request is refused at once (ServerBusy)
     # rather than queued without bound. Checked by the EngineLoop, which also counts its inbox.
     max_queue_len: int = 128
+    # "adaptive": each step drafts the length with the best expected goodput at the current batch
+    # (draft_policy.py; profiles verify costs at start); "fixed": every row drafts its cap.
+    # Requests may choose either (GenerationRequest.draft_policy).
+    draft_policy: str = "fixed"
 
 
 @dataclass
@@ -115,6 +120,7 @@ class GenerationRequest:
     # spec_threshold is the calibration head's stop threshold (0 = always draft the full length).
     num_draft_tokens: int | None = None
     spec_threshold: float | None = None
+    draft_policy: str | None = None   # "adaptive" | "fixed"; None → the engine's
 
 
 @dataclass
@@ -146,6 +152,8 @@ class _Sequence:
     # [n, D] hidden states committed since the proposer last accepted them (kept across a
     # failed propose call, so a drafter outage loses no history)
     features: torch.Tensor | None = None
+    alpha: float = ALPHA_PRIOR        # conditional acceptance rate, for the adaptive draft policy
+    step_cap: int | None = None       # this step's draft length from the adaptive policy
 
     @property
     def num_output(self) -> int:
@@ -176,6 +184,7 @@ class Engine:
         static = [p for p in self.proposers.values() if getattr(p, "static_step", False)]
         self.cache: KVCache = model.new_cache(config.max_num_seqs + bool(static),
                                               config.max_model_len + config.max_draft_len + 1)
+        self._scratch_slots = int(bool(static))
         if static:
             scratch = self.cache.allocate()
             for p in static:
@@ -185,6 +194,14 @@ class Engine:
         self._by_id: dict[str, _Sequence] = {}
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
+        if config.draft_policy not in POLICIES:
+            raise ValueError(f"draft_policy must be one of {', '.join(POLICIES)}, got {config.draft_policy!r}")
+        self.cost_table = None
+        if config.draft_policy == "adaptive":
+            from specserve.draft_policy import profile_engine_verify
+            self.cost_table = profile_engine_verify(self)
+        self._draft_cost: dict[str, float] = {}   # seconds per drafted position, per proposer
+        self.last_policy_k: int | None = None      # the adaptive policy's last choice (metrics)
 
     # -- admission ----------------------------------------------------------------------------
     @property
@@ -217,6 +234,8 @@ class Engine:
         th = req.spec_threshold
         if th is not None and not (isinstance(th, (int, float)) and 0.0 <= th <= 1.0):
             raise RequestRejected(f"spec_threshold must be a number in [0, 1], got {th!r}")
+        if req.draft_policy is not None and req.draft_policy not in POLICIES:
+            raise RequestRejected(f"draft_policy must be one of {', '.join(POLICIES)}, got {req.draft_policy!r}")
         if req.params.stop and self.detokenize is None:
             raise RequestRejected("stop strings need a tokenizer; this engine has none")
         if req.request_id in self._by_id:
@@ -261,6 +280,11 @@ class Engine:
     @property
     def num_free_slots(self) -> int:
         return self.cache.num_free
+
+    @property
+    def num_slots_used(self) -> int:
+        """KV slots held by sequences (a static-step scratch slot is not counted)."""
+        return self.cache.num_slots - self.cache.num_free - self._scratch_slots
 
     @property
     def num_waiting(self) -> int:
@@ -343,6 +367,8 @@ class Engine:
             for s in group:
                 # Never draft past max_tokens or the model length: the step adds one more token.
                 cap = self.cfg.max_draft_len if s.req.num_draft_tokens is None else s.req.num_draft_tokens
+                if s.step_cap is not None:
+                    cap = min(cap, s.step_cap)
                 room = min(cap, s.req.params.max_tokens - s.num_output - 1,
                            self.cfg.max_model_len - len(s.tokens))
                 requests.append(DraftRequest(s.seq_id, s.tokens, max(room, 0), s.req.params,
@@ -371,6 +397,10 @@ class Engine:
                 elapsed = time.perf_counter() - t0
                 for s in group:
                     s.stats.draft_seconds += elapsed
+                widest = max((r.max_draft_len for r in requests), default=0)
+                if widest:
+                    old = self._draft_cost.get(name, elapsed / widest)
+                    self._draft_cost[name] = old + DRAFT_COST_WEIGHT * (elapsed / widest - old)
             for s, r, d in zip(group, requests, got):
                 problem = _draft_problem(d, self.model.cfg.vocab_size)
                 if problem:
@@ -381,7 +411,34 @@ class Engine:
                 drafts[s.seq_id] = _truncate(d, r.max_draft_len)
         return [drafts[s.seq_id] for s in seqs]
 
+    def _plan(self, seqs: list[_Sequence]) -> None:
+        """Set each adaptive row's draft length for this step (draft_policy.py)."""
+        adaptive, fixed = [], []
+        for s in seqs:
+            s.step_cap = None
+            if s.proposer.name == "none":
+                continue
+            if (s.req.draft_policy or self.cfg.draft_policy) == "adaptive":
+                adaptive.append(s)
+            else:
+                fixed.append((s.alpha, self.cfg.max_draft_len if s.req.num_draft_tokens is None
+                              else s.req.num_draft_tokens))
+        if not adaptive:
+            return
+        if self.cost_table is None:   # a request asked for it on an engine started "fixed"
+            from specserve.draft_policy import profile_engine_verify
+            self.cost_table = profile_engine_verify(self)
+        names = {s.proposer.name for s in seqs if s.proposer.name != "none"}
+        draft_cost = sum(self._draft_cost.get(n, 0.0) for n in names)
+        caps = [self.cfg.max_draft_len if s.req.num_draft_tokens is None else s.req.num_draft_tokens
+                for s in adaptive]
+        choice = choose(self.cost_table, len(seqs), [s.alpha for s in adaptive], fixed, max(caps), draft_cost)
+        self.last_policy_k = choice.k
+        for s in adaptive:
+            s.step_cap = choice.k
+
     def _decode(self, seqs: list[_Sequence]) -> None:
+        self._plan(seqs)
         drafts = self._draft(seqs)
         t0 = time.perf_counter()
         T = 1 + max(len(d) for d in drafts)
@@ -408,6 +465,8 @@ class Engine:
                 new = hidden[b, rows].clone()  # [n, D]
                 s.features = new if s.features is None else torch.cat([s.features, new])
             s.stats.record(len(d), verdict.num_accepted)
+            if len(d):
+                s.alpha = update_alpha(s.alpha, len(d), verdict.num_accepted)
             outcomes.setdefault(s.proposer.name, []).append(
                 StepOutcome(s.seq_id, len(d), verdict.accepted_nodes, verdict.emitted))
             self._emit(s, verdict.emitted)

@@ -59,6 +59,8 @@ class ResponseMeta:
     num_output_tokens: int
     finish_reason: str = ""            # "" until the final response
     spec_stats: dict = field(default_factory=dict)
+    # Why the engine ended the request early; postprocess answers the client with this error.
+    error: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -77,6 +77,7 @@ class EngineSettings:
     # auto (CUDA when available), cpu, cuda or cuda:N.
     device: str = "auto"
     max_queue_len: int = 128   # requests waiting for a slot, at most (EngineConfig.max_queue_len)
+    draft_policy: str = "fixed"  # EngineConfig.draft_policy
 
 
 def static_methods(drafters: tuple[tuple[str, str], ...]) -> list[str]:
@@ -159,7 +160,7 @@ def build_engine(settings: EngineSettings):
     max_len = settings.max_model_len or default_max_model_len(settings.checkpoint)
     config = EngineConfig(max_num_seqs=settings.max_num_seqs, max_model_len=max_len,
                           max_draft_len=settings.max_draft_len, default_method=settings.default_method,
-                          max_queue_len=settings.max_queue_len)
+                          max_queue_len=settings.max_queue_len, draft_policy=settings.draft_policy)
     proposers = {name: make() for name, make in PROPOSERS.items()}
     for method, folder in settings.drafters:
         proposers[method] = _drafted(method, folder, model, settings, max_len)

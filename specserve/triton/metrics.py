@@ -46,6 +46,8 @@ _GAUGES = {
     "running": ("specserve_num_requests_running", "Requests running in the engine (holding a KV slot)."),
     "waiting": ("specserve_num_requests_waiting", "Requests queued for a KV slot (the admission queue)."),
     "slots_used": ("specserve_num_slots_used", "KV slots allocated."),
+    "policy_draft_len": ("specserve_spec_decode_policy_draft_len",
+                         "Draft length the adaptive draft policy chose for the last step."),
 }
 
 
@@ -88,9 +90,11 @@ class TritonMetrics:
         if time_per_output_token is not None:
             self._queue.put(("tpot", labels, "observe", time_per_output_token))
 
-    def state(self, running: int, waiting: int, slots_used: int) -> None:
-        for key, n in (("running", running), ("waiting", waiting), ("slots_used", slots_used)):
-            self._queue.put((key, {}, "set", n))
+    def state(self, running: int, waiting: int, slots_used: int, policy_draft_len: int | None) -> None:
+        for key, n in (("running", running), ("waiting", waiting), ("slots_used", slots_used),
+                       ("policy_draft_len", policy_draft_len)):
+            if n is not None:
+                self._queue.put((key, {}, "set", n))
 
     def rejected(self, reason: str) -> None:
         self._inc("rejected", {"reason": reason}, 1)

@@ -27,8 +27,11 @@ SAMPLING_KEYS: dict[str, str] = {
     "spec_method": "a string",
     "num_draft_tokens": _INT,
     "spec_threshold": _NUM,
+    "draft_policy": "a string",
 }
-SPEC_KEYS = ("spec_method", "num_draft_tokens", "spec_threshold")  # the draft policy, not sampling
+# The draft policy, not sampling. draft_policy: "adaptive" (the engine picks each step's draft
+# length for the best expected goodput at the current load) or "fixed" (always the full length).
+SPEC_KEYS = ("spec_method", "num_draft_tokens", "spec_threshold", "draft_policy")
 
 
 class BadRequest(ValueError):
@@ -41,6 +44,7 @@ class RequestConfig:
     spec_method: str | None = None   # None → the tier's / engine's default method
     num_draft_tokens: int | None = None  # None → the server's max_draft_len
     spec_threshold: float | None = None  # None → the server's --spec-threshold
+    draft_policy: str | None = None      # None → the server's --draft-policy
     stream: bool = False             # stream one response per engine output, or one at the end
     include_prompt: bool = False     # text_output starts with the prompt text
     tier: str = "default"
@@ -91,7 +95,7 @@ def _check_type(key: str, value: Any) -> Any:
             return [value]
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return value
-    if key == "spec_method" and isinstance(value, str):
+    if key in ("spec_method", "draft_policy") and isinstance(value, str):
         return value
     raise BadRequest(f"sampling_parameters.{key} must be {kind}, got {json.dumps(value)}")
 

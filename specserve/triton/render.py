@@ -44,6 +44,7 @@ class RepositorySettings:
     drafter_dtype: str = "auto"
     device: str = "auto"  # the engine's device: auto | cpu | cuda[:N] (factory.resolve_device)
     max_queue_len: int = 128
+    draft_policy: str = "fixed"   # `specserve serve` defaults to "adaptive" (draft_policy.py)
     # Signs preprocess → target_verifier and authorises internal calls (auth.py). A fresh one per
     # rendering; Triton's model-config endpoint, which would show it, is admin-only.
     internal_key: str = field(default_factory=new_key, repr=False)
@@ -125,6 +126,7 @@ def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
                                       "spec_threshold": "" if settings.spec_threshold is None
                                       else settings.spec_threshold,
                                       "max_queue_len": settings.max_queue_len,
+                                      "draft_policy": settings.draft_policy,
                                       "internal_key": settings.internal_key},
         schema.POSTPROCESS.name: {"checkpoint": ckpt, "internal_key": settings.internal_key},
     }

@@ -59,7 +59,7 @@ class MetricsSink(Protocol):
     def first_token(self, method: str, tier: str, seconds: float) -> None: ...
     def finished(self, method: str, tier: str, reason: str, num_prompt: int, num_output: int,
                  time_per_output_token: float | None) -> None: ...
-    def state(self, running: int, waiting: int, slots_used: int) -> None: ...
+    def state(self, running: int, waiting: int, slots_used: int, policy_draft_len: int | None) -> None: ...
     def rejected(self, reason: str) -> None: ...   # "busy" | "invalid" | "draining"
 
 
@@ -117,7 +117,8 @@ class VerifierService:
             raise RequestRejected(f"bad sampling parameters: {e}") from None
         rid = f"{self._prefix}-{next(self._ids)}"
         req = GenerationRequest(rid, list(prompt_ids), params, config.spec_method,
-                                num_draft_tokens=config.num_draft_tokens, spec_threshold=config.spec_threshold)
+                                num_draft_tokens=config.num_draft_tokens, spec_threshold=config.spec_threshold,
+                                draft_policy=config.draft_policy)
         method = config.spec_method or self.engine.cfg.default_method
         num_sent = 0 if config.include_prompt else len(prompt_ids)
         stream = _Stream(rid, sender, config, method, list(prompt_ids), len(prompt_ids), num_sent)
@@ -188,8 +189,12 @@ class VerifierService:
             self._report_finish(s, out, now)
             return
         if out.finish_reason in (FINISH_ABORT, FINISH_ERROR):
-            # Ended by the engine: the client is still there and must hear why.
-            s.final(s.sender.send_error, out.error or "the engine ended this request")
+            # Ended by the engine: the client is still there and must hear why. The error travels
+            # in the final response's meta and postprocess turns it into the client's error: an
+            # error response from this (decoupled) step after streamed ones would leave the
+            # ensemble request in flight in Triton 2.51, and shutdown would then hang on it.
+            self._end_with_error(s, out.error or "the engine ended this request", out.finish_reason,
+                                 out.stats.to_dict())
             self._report_finish(s, out, now)
             return
         if not (s.config.stream or out.finished):
@@ -216,7 +221,12 @@ class VerifierService:
         with self._lock:
             s = self._streams.pop(request_id, None)
         if s is not None:
-            s.final(s.sender.send_error, f"the engine failed while running this request: {error}")
+            self._end_with_error(s, f"the engine failed while running this request: {error}", "error", {})
+
+    @staticmethod
+    def _end_with_error(s: _Stream, message: str, reason: str, stats: dict) -> None:
+        meta = ResponseMeta(s.request_id, s.num_prompt, len(s.tokens) - s.num_prompt, reason, stats, error=message)
+        s.final(s.sender.send, VerifierResponse(make_window(s.tokens, s.num_sent, flush=True), meta, final=True))
 
     # -- cancellation ----------------------------------------------------------------------------
     def _watch_cancellations(self) -> None:
@@ -250,8 +260,8 @@ class VerifierService:
 
     def _on_state(self, state: LoopState) -> None:
         if self.metrics is not None:
-            _quietly(self.metrics.state, state.running, state.waiting, self.engine.cfg.max_num_seqs
-                     - self.engine.num_free_slots)
+            _quietly(self.metrics.state, state.running, state.waiting, self.engine.num_slots_used,
+                     self.engine.last_policy_k)
 
     def _report_finish(self, s: _Stream, out: RequestOutput, now: float) -> None:
         if self.metrics is None:

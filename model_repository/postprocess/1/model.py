@@ -47,6 +47,10 @@ class TritonPythonModel:
                     # Answer normally all the same: in Triton 2.51 an error response here leaves
                     # the cancelled ensemble request in flight forever (shutdown then hangs).
                     self.cancel_upstream(meta.request_id)
+                elif meta.error is not None:
+                    # The engine ended this request early (service.py): the client hears why.
+                    responses.append(pb.error_response(meta.error))
+                    continue
                 responses.append(pb.response({
                     schema.TEXT_OUTPUT: text_delta(self.decode, window),
                     schema.NUM_INPUT_TOKENS: meta.num_input_tokens,

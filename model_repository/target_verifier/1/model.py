@@ -66,7 +66,8 @@ class TritonPythonModel:
                                   placement=p.get("placement", "fused"), dtype=p.get("dtype", "float32"),
                                   drafter_dtype=p.get("drafter_dtype", "auto"), device=p.get("device", "auto"),
                                   spec_threshold=float(p["spec_threshold"]) if p.get("spec_threshold") else None,
-                                  max_queue_len=int(p.get("max_queue_len", 128)))
+                                  max_queue_len=int(p.get("max_queue_len", 128)),
+                                  draft_policy=p.get("draft_policy", "fixed"))
         self.metrics = TritonMetrics(pb_utils)
         # Built on the engine's own thread: a model loaded on another thread decodes slower.
         self.service = VerifierService(lambda: build_engine(settings)[0], self.metrics)
