@@ -34,7 +34,8 @@ from specserve.draft_policy import ALPHA_PRIOR, DRAFT_COST_WEIGHT, POLICIES, cho
 from specserve.kv_cache import KVCache
 from specserve.masks import build_mask
 from specserve.model import ForwardBatch, Transformer
-from specserve.proposers.base import Draft, DraftRequest, Proposer, ProposerError, StepOutcome
+from specserve.proposers.base import (Draft, DraftRequest, Proposer, ProposerError, ProposerUnavailable,
+                                      StepOutcome)
 from specserve.sampling import SamplingParams, make_generator, sample, target_probs
 from specserve.verify import Verdict, verify
 
@@ -383,7 +384,9 @@ class Engine:
                 # A remote drafter that is unloaded, restarting or hung (ProposerError), or a bug in
                 # a fused one: these rows decode plainly this step and keep their features, which
                 # the proposer receives with the next call.
-                if isinstance(e, ProposerError):
+                if isinstance(e, ProposerUnavailable):
+                    log.debug("proposer %s skipped (%s)", name, e)
+                elif isinstance(e, ProposerError):
                     log.warning("proposer %s failed (%s); decoding without a draft this step", name, e)
                 else:
                     log.exception("proposer %s raised; decoding without a draft this step", name)

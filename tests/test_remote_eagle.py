@@ -13,7 +13,7 @@ import torch
 from conftest import make_tiny_checkpoint
 from specserve.engine import Engine, EngineConfig, GenerationRequest
 from specserve.model import load_model
-from specserve.proposers.base import DraftRequest
+from specserve.proposers.base import DraftRequest, ProposerError
 from specserve.proposers.eagle import EagleProposer
 from specserve.proposers.eagle_onnx import CalibrationOnnxRuntime, EagleOnnxRuntime, in_process_call
 from specserve.proposers.remote import RemoteProposer
@@ -53,6 +53,44 @@ class Drafter:
         if self.down:
             raise RuntimeError("model 'eagle_proposal' is not ready")
         return in_process_call(self.rt, self.cal)(inputs)
+
+
+class FakeClock:
+    """The proposer's clock, advanced by the test (back-off without waiting)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_failed_calls_back_off_exponentially_and_a_success_resets(setup):
+    target, _, report = setup
+    drafter, clock = Drafter(target, report), FakeClock()
+    remote = RemoteProposer("eagle", drafter, max_draft_len=4, threshold=None, clock=clock)
+    prompt = PROMPTS[0]
+    with torch.inference_mode():
+        feats = target.forward(_prefill(target, prompt), None).hidden[0]
+
+    def propose():
+        return remote.propose([DraftRequest(3, prompt + [42], 4, SamplingParams(), None, feats)])
+
+    drafter.down = True
+    waits = []
+    for _ in range(5):
+        calls = drafter.calls
+        with pytest.raises(ProposerError):
+            propose()
+        assert drafter.calls == calls + 1            # it called (and failed)...
+        with pytest.raises(ProposerError, match="backing off after failed calls"):
+            propose()                                 # ...then does not call until the back-off ends
+        assert drafter.calls == calls + 1
+        waits.append(remote._retry_at - clock.now)
+        clock.now = remote._retry_at
+    assert waits == [0.25, 0.5, 1.0, 2.0, 4.0]
+    drafter.down = False
+    assert len(propose()[0].tokens) == 4 and remote._backoff == 0.0
 
 
 def make_engine(target, proposers):
@@ -96,8 +134,9 @@ def test_remote_greedy_equals_plain_and_threshold_cuts(setup):
 def test_drafter_unload_and_reload_mid_stream_stays_lossless(setup):
     target, _, report = setup
     drafter = Drafter(target, report)
+    clock = FakeClock()   # one second per step: every back-off has passed by the next step
     remote = RemoteProposer("eagle", drafter, max_draft_len=4, threshold=None,
-                            release=lambda ids: drafter.rt.release(ids))
+                            release=lambda ids: drafter.rt.release(ids), clock=clock)
     engine = make_engine(target, {"eagle": remote})
     reqs = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=24), "eagle") for i, p in enumerate(PROMPTS)]
     want = make_engine(target, {}).generate(
@@ -109,6 +148,7 @@ def test_drafter_unload_and_reload_mid_stream_stays_lossless(setup):
     step = 0
     while engine.has_work():
         step += 1
+        clock.now += 1.0
         if step == 4:
             drafter.down = True          # unloaded: calls fail
         if step == 7:
@@ -145,7 +185,8 @@ def test_a_hung_drafter_times_out_and_costs_only_speculation(setup):
             assert unhang.wait(60)
         return drafter(inputs)
 
-    remote = RemoteProposer("eagle", call, max_draft_len=4, threshold=None, timeout_s=0.2)
+    clock = FakeClock()
+    remote = RemoteProposer("eagle", call, max_draft_len=4, threshold=None, timeout_s=0.2, clock=clock)
     engine = make_engine(target, {"eagle": remote})
     reqs = [GenerationRequest(f"h{i}", p, SamplingParams(max_tokens=30), "eagle") for i, p in enumerate(PROMPTS)]
     want = make_engine(target, {}).generate(
@@ -155,6 +196,7 @@ def test_a_hung_drafter_times_out_and_costs_only_speculation(setup):
     got, final, step = {r.request_id: [] for r in reqs}, {}, 0
     while engine.has_work():
         step += 1
+        clock.now += 1.0
         if step == 3:
             hang.set()
         if step == 6:

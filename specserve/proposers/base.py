@@ -23,8 +23,14 @@ class ProposerError(RuntimeError):
     """The proposer cannot draft this step (e.g. a remote drafter is unloaded or restarting).
 
     The engine then decodes the affected rows without a draft; it never fails the request.
-    Any other exception from a proposer is a bug and propagates.
+    Any other exception from a proposer is a bug (the engine logs it with its traceback and
+    decodes those rows plainly).
     """
+
+
+class ProposerUnavailable(ProposerError):
+    """The proposer skipped this step on purpose (backing off after failures, or an earlier call
+    has not returned): expected while a drafter is down, so logged quietly."""
 
 
 @dataclass

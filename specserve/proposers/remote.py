@@ -13,6 +13,10 @@ worker thread and is waited for at most `timeout_s`; past it the step decodes pl
 that call is still outstanding later steps do not call again (they decode plainly at once). When
 it returns, drafting resumes. Releases are sent on the same worker and never waited for.
 
+After a failed call the proposer backs off: it does not call again for BACKOFF_MIN_S, doubling
+per consecutive failure up to BACKOFF_MAX_S (a killed drafter stub answers each call only after
+about a second, and a step must not pay that every time). The first success resets it.
+
 `call` performs one round trip: a dict of numpy inputs (DraftBatch fields) → a dict with
 `draft_tokens` [B, K], `accept_prob` [B, K] (optional) and `unknown` [B]. In Triton it wraps a
 BLS request to `eagle_proposal`; in tests it calls the ONNX runtime directly.
@@ -21,6 +25,7 @@ BLS request to `eagle_proposal`; in tests it calls the ONNX runtime directly.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -29,7 +34,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from specserve.proposers.base import Draft, DraftRequest, ProposerError, StepOutcome
+from specserve.proposers.base import Draft, DraftRequest, ProposerError, ProposerUnavailable, StepOutcome
 
 log = logging.getLogger("specserve.remote")
 
@@ -60,15 +65,19 @@ class RemoteProposer:
     # A healthy remote draft round trip takes ~9 ms on the demo model (CPU); a call that takes
     # longer than this is treated as hung.
     TIMEOUT_S = 1.0
+    BACKOFF_MIN_S, BACKOFF_MAX_S = 0.25, 8.0
 
     def __init__(self, name: str, call: Call, *, max_draft_len: int = 8, threshold: float | None = 0.3,
-                 release: Callable[[list[int]], None] | None = None, timeout_s: float = TIMEOUT_S):
+                 release: Callable[[list[int]], None] | None = None, timeout_s: float = TIMEOUT_S,
+                 clock: Callable[[], float] = time.monotonic):
         self.name, self._call, self._release = name, call, release
         self.max_draft_len, self.threshold = max_draft_len, threshold
         self.timeout_s = timeout_s
         self._seqs: dict[int, _History] = {}
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"specserve-{name}-bls")
         self._pending: Future | None = None   # a call that timed out and has not returned yet
+        self._clock = clock
+        self._backoff, self._retry_at = 0.0, float("-inf")
 
     def _batch(self, requests: list[DraftRequest], rows: list[int], *, reprime: bool) -> dict[str, np.ndarray]:
         B = len(rows)
@@ -104,9 +113,25 @@ class RemoteProposer:
         return min(cap, kept + self.PROBE)
 
     def _round_trip(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        now = self._clock()
+        if now < self._retry_at:
+            raise ProposerUnavailable(f"{self.name}: backing off after failed calls; next try in "
+                                f"{self._retry_at - now:.2f} s")
+        try:
+            out = self._round_trip_now(batch)
+        except ProposerUnavailable:
+            raise
+        except ProposerError:
+            self._backoff = min(max(2 * self._backoff, self.BACKOFF_MIN_S), self.BACKOFF_MAX_S)
+            self._retry_at = self._clock() + self._backoff
+            raise
+        self._backoff = 0.0
+        return out
+
+    def _round_trip_now(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self._pending is not None:
             if not self._pending.done():
-                raise ProposerError(f"{self.name}: the remote drafter has not answered an earlier call yet")
+                raise ProposerUnavailable(f"{self.name}: the remote drafter has not answered an earlier call yet")
             self._pending = None
         future = self._worker.submit(self._call, batch)
         try:
