@@ -3,35 +3,37 @@
 Speculation pays when the tokens a verify forward adds cost less than the steps they save. At
 batch 1 a verify of 9 tokens costs little more than a 1-token step (the weights are read once
 either way); in a full batch the same verify multiplies the compute of every row, and drafting
-can make a busy server slower than plain decoding. So the engine asks, every step:
+can make a busy server slower than plain decoding. So the engine asks, every step, for the cap k
+on drafted tokens per row:
 
-    k* = argmax_k  Σ_r E_r(k) / (c(B, 1 + k) + d · k)        k ∈ {0, …, max_draft_len}
+    k* = argmax_k  Σ_r E_p(r)(k) / (c(B, 1 + w(k)) + d · w(k))        k ∈ {0, …, max_draft_len}
 
 - c(B, T): seconds of a verify forward (with the LM head) of B rows × T tokens, PROFILED at
   start on this machine / GPU over a small grid (B ∈ {1, 2, 4, …, max_num_seqs}, T ∈ {1, 2, 3, 5,
   …, 1 + max_draft_len}) and interpolated linearly between grid points.
-- d: seconds of drafting per drafted position, an exponential moving average of what the
-  proposers' calls took (0 for n-gram lookup).
-- E_r(k) = 1 + α_r + α_r² + … + α_r^k: the tokens row r is expected to emit with k drafted,
-  where α_r is its conditional acceptance rate (P(the next drafted token is accepted | the
-  previous ones were)), a moving average of its own accept / reject history.
+- E_p(k) = 1 + Σ_{i ≤ k} P_p(a step accepts at least i drafted tokens): the tokens a row of
+  proposer p emits under cap k (a capped draft accepts min(a, k)). The probabilities are moving
+  averages over the proposer's UNCAPPED steps, so they include the proposer's own stopping rule
+  (a calibration head drafts long only where it is confident; a per-token acceptance rate would
+  miss exactly those long runs).
+- w(k) = min(k, the proposer's usual widest draft in a step): the drafted width the cap allows.
+- d: seconds of drafting per drafted position (moving average of the proposers' calls).
 
 k = 0 (plain decoding) is always a candidate and its estimate is a measured plain step, so the
 policy drafts only where it expects a gain. Rows whose request asks for the fixed policy keep
-their own length, and the verify width they force is taken into account. The calibration head,
-where a drafter has one, may still cut a row's draft shorter within k*.
+their own length, and the verify width they force is taken into account.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 POLICIES = ("adaptive", "fixed")
-ALPHA_PRIOR = 0.6     # a new row's acceptance rate, until its own history says otherwise
-ALPHA_WEIGHT = 0.15   # moving-average weight of one accept / reject observation
+PRIOR_ACCEPT = 0.6     # prior P(accept) per position, until a proposer's own steps say otherwise
+WEIGHT = 0.02          # moving-average weight of one row-step observation
 DRAFT_COST_WEIGHT = 0.2
 
 
@@ -85,41 +87,58 @@ def profile(verify: Callable[[int, int], None], batch_sizes: Sequence[int], widt
     return CostTable(tuple(batch_sizes), tuple(widths), tuple(seconds))
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """1 + α + … + α^k: tokens a row emits with k drafted, each accepted with rate α given the
-    previous one was."""
-    return float(sum(alpha ** i for i in range(k + 1)))
+@dataclass
+class AcceptanceModel:
+    """One proposer's acceptance, from its uncapped steps: at_least[i-1] = P(a step accepts at
+    least i drafted tokens), and `width`, the widest draft of a step (moving averages)."""
+    max_k: int
+    at_least: list[float] = field(default_factory=list)
+    width: float = 0.0
 
+    def __post_init__(self) -> None:
+        if not self.at_least:   # prior: modest acceptance, until the proposer's own steps say otherwise
+            self.at_least = [PRIOR_ACCEPT ** (i + 1) for i in range(self.max_k)]
+            self.width = float(self.max_k)
 
-def update_alpha(alpha: float, num_drafted: int, num_accepted: int) -> float:
-    """One step's evidence: `num_accepted` acceptances, then a rejection unless all were accepted."""
-    for _ in range(num_accepted):
-        alpha += ALPHA_WEIGHT * (1.0 - alpha)
-    if num_accepted < num_drafted:
-        alpha += ALPHA_WEIGHT * (0.0 - alpha)
-    return alpha
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a row emits per step with at most k drafted (accepted ones + the bonus/recovered)."""
+        return 1.0 + sum(self.at_least[:k])
+
+    def drafted_width(self, k: int) -> float:
+        return min(float(k), self.width)
+
+    def update(self, drafted: Sequence[int], accepted: Sequence[int]) -> None:
+        """One step's uncapped rows of this proposer: their draft lengths and accepted counts."""
+        if not drafted:
+            return
+        for a in accepted:
+            for i in range(self.max_k):
+                self.at_least[i] += WEIGHT * ((1.0 if a > i else 0.0) - self.at_least[i])
+        self.width += WEIGHT * (max(drafted) - self.width)
 
 
 @dataclass(frozen=True)
 class Choice:
-    k: int                      # draft length for the adaptive rows this step
+    k: int                      # draft cap for the adaptive rows this step
     goodput: float              # expected tokens per second at k
     plain_goodput: float        # expected tokens per second at k = 0
 
 
-def choose(table: CostTable, batch: int, alphas: Sequence[float], fixed: Sequence[tuple[float, int]],
-           max_k: int, draft_cost_per_token: float) -> Choice:
-    """The k in 0..max_k with the highest expected goodput for `alphas` (adaptive rows), beside
-    `fixed` rows given as (α, their own draft length), in a batch of `batch` rows."""
-    fixed_k = max((k for _, k in fixed), default=0)
-    fixed_tokens = sum(expected_tokens(a, k) for a, k in fixed)
-    plain_rows = batch - len(alphas) - len(fixed)   # rows that never draft (spec_method none)
+def choose(table: CostTable, batch: int, adaptive: Sequence[tuple[AcceptanceModel, int]],
+           fixed: Sequence[tuple[AcceptanceModel, int]], draft_cost_per_token: float) -> Choice:
+    """The cap k with the highest expected goodput. `adaptive`: (model, the row's own cap) of
+    each adaptive row; `fixed`: (model, its fixed draft length) of rows outside the policy; the
+    rest of the batch's `batch` rows do not draft (spec_method none)."""
+    fixed_width = max((m.drafted_width(k) for m, k in fixed), default=0.0)
+    fixed_tokens = sum(m.expected_tokens(k) for m, k in fixed)
+    plain_rows = batch - len(adaptive) - len(fixed)
+    max_k = max((cap for _, cap in adaptive), default=0)
     best: Choice | None = None
     plain = 0.0
     for k in range(max_k + 1):
-        width = 1 + max(k, fixed_k)
-        seconds = table.cost(batch, width) + draft_cost_per_token * max(k, fixed_k)
-        tokens = sum(expected_tokens(a, k) for a in alphas) + fixed_tokens + plain_rows
+        drafted = max([fixed_width] + [m.drafted_width(min(k, cap)) for m, cap in adaptive])
+        seconds = table.cost(batch, 1 + drafted) + draft_cost_per_token * drafted
+        tokens = sum(m.expected_tokens(min(k, cap)) for m, cap in adaptive) + fixed_tokens + plain_rows
         g = tokens / seconds
         if k == 0:
             plain = g

@@ -30,7 +30,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from specserve.draft_policy import ALPHA_PRIOR, DRAFT_COST_WEIGHT, POLICIES, choose, update_alpha
+from specserve.draft_policy import DRAFT_COST_WEIGHT, POLICIES, AcceptanceModel, choose
 from specserve.kv_cache import KVCache
 from specserve.masks import build_mask
 from specserve.model import ForwardBatch, Transformer
@@ -150,11 +150,11 @@ class _Sequence:
     new_tokens: list[int] = field(default_factory=list)  # emitted this step
     finish_reason: str | None = None
     error: str | None = None
-    # [n, D] hidden states committed since the proposer last accepted them (kept across a
-    # failed propose call, so a drafter outage loses no history)
-    features: torch.Tensor | None = None
-    alpha: float = ALPHA_PRIOR        # conditional acceptance rate, for the adaptive draft policy
-    step_cap: int | None = None       # this step's draft length from the adaptive policy
+    # [n_i, D] chunks of the hidden states committed since the proposer last took them (kept
+    # across steps without a call — a failed call, or no room to draft — so nothing is lost)
+    feature_chunks: list[torch.Tensor] = field(default_factory=list)
+    step_cap: int | None = None       # this step's draft cap from the adaptive policy
+    uncapped: bool = False            # this step drafted with the row's full cap (policy statistics)
 
     @property
     def num_output(self) -> int:
@@ -202,6 +202,7 @@ class Engine:
             from specserve.draft_policy import profile_engine_verify
             self.cost_table = profile_engine_verify(self)
         self._draft_cost: dict[str, float] = {}   # seconds per drafted position, per proposer
+        self._acceptance: dict[str, AcceptanceModel] = {}   # per proposer, for the adaptive policy
         self.last_policy_k: int | None = None      # the adaptive policy's last choice (metrics)
 
     # -- admission ----------------------------------------------------------------------------
@@ -345,7 +346,7 @@ class Engine:
             n = len(s.tokens)
             self.cache.truncate(s.slot, n)
             if s.proposer.needs_features:
-                s.features = hidden[b, :n].clone()
+                s.feature_chunks = [hidden[b, :n].clone()]
             try:
                 first = self._first_token(logits[b], s)
             except Exception as e:  # noqa: BLE001 — this row's sampling failed; the others go on
@@ -364,16 +365,27 @@ class Engine:
         for s in seqs:
             by_proposer.setdefault(s.proposer.name, []).append(s)
         for name, group in by_proposer.items():
-            requests = []
+            requests, idle = [], []
             for s in group:
                 # Never draft past max_tokens or the model length: the step adds one more token.
                 cap = self.cfg.max_draft_len if s.req.num_draft_tokens is None else s.req.num_draft_tokens
+                full = cap
                 if s.step_cap is not None:
                     cap = min(cap, s.step_cap)
                 room = min(cap, s.req.params.max_tokens - s.num_output - 1,
                            self.cfg.max_model_len - len(s.tokens))
-                requests.append(DraftRequest(s.seq_id, s.tokens, max(room, 0), s.req.params,
-                                             s.generator, s.features, s.req.spec_threshold))
+                s.uncapped = room >= full
+                if room <= 0:
+                    # Nothing to draft (the policy's cap, or the end of the request): no call. The
+                    # features wait for the next call, which takes them all at once.
+                    drafts[s.seq_id] = Draft.empty()
+                    idle.append(s)
+                    continue
+                requests.append(DraftRequest(s.seq_id, s.tokens, room, s.req.params, s.generator,
+                                             _features(s), s.req.spec_threshold))
+            group = [s for s in group if all(s is not i for i in idle)]
+            if not group:
+                continue
             proposer = group[0].proposer
             t0 = time.perf_counter()
             try:
@@ -395,7 +407,7 @@ class Engine:
                     s.stats.proposer_errors += 1
             else:
                 for s in group:
-                    s.features = None  # delivered
+                    s.feature_chunks = []  # delivered
             finally:
                 elapsed = time.perf_counter() - t0
                 for s in group:
@@ -414,18 +426,21 @@ class Engine:
                 drafts[s.seq_id] = _truncate(d, r.max_draft_len)
         return [drafts[s.seq_id] for s in seqs]
 
+    def _acceptance_model(self, name: str) -> AcceptanceModel:
+        if name not in self._acceptance:
+            self._acceptance[name] = AcceptanceModel(self.cfg.max_draft_len)
+        return self._acceptance[name]
+
     def _plan(self, seqs: list[_Sequence]) -> None:
-        """Set each adaptive row's draft length for this step (draft_policy.py)."""
+        """Set each adaptive row's draft cap for this step (draft_policy.py)."""
         adaptive, fixed = [], []
         for s in seqs:
             s.step_cap = None
             if s.proposer.name == "none":
                 continue
-            if (s.req.draft_policy or self.cfg.draft_policy) == "adaptive":
-                adaptive.append(s)
-            else:
-                fixed.append((s.alpha, self.cfg.max_draft_len if s.req.num_draft_tokens is None
-                              else s.req.num_draft_tokens))
+            cap = self.cfg.max_draft_len if s.req.num_draft_tokens is None else s.req.num_draft_tokens
+            row = (self._acceptance_model(s.proposer.name), cap)
+            (adaptive if (s.req.draft_policy or self.cfg.draft_policy) == "adaptive" else fixed).append(row)
         if not adaptive:
             return
         if self.cost_table is None:   # a request asked for it on an engine started "fixed"
@@ -433,12 +448,11 @@ class Engine:
             self.cost_table = profile_engine_verify(self)
         names = {s.proposer.name for s in seqs if s.proposer.name != "none"}
         draft_cost = sum(self._draft_cost.get(n, 0.0) for n in names)
-        caps = [self.cfg.max_draft_len if s.req.num_draft_tokens is None else s.req.num_draft_tokens
-                for s in adaptive]
-        choice = choose(self.cost_table, len(seqs), [s.alpha for s in adaptive], fixed, max(caps), draft_cost)
+        choice = choose(self.cost_table, len(seqs), adaptive, fixed, draft_cost)
         self.last_policy_k = choice.k
-        for s in adaptive:
-            s.step_cap = choice.k
+        for s in seqs:
+            if s.proposer.name != "none" and (s.req.draft_policy or self.cfg.draft_policy) == "adaptive":
+                s.step_cap = choice.k
 
     def _decode(self, seqs: list[_Sequence]) -> None:
         self._plan(seqs)
@@ -455,6 +469,7 @@ class Engine:
         hidden = self._forward(tokens, positions, [s.slot for s in seqs], starts, mask)  # [B, T, D]
         logits = self.model.logits(hidden)  # [B, T, V]
         outcomes: dict[str, list[StepOutcome]] = {}
+        observed: dict[str, tuple[list[int], list[int]]] = {}   # proposer → (drafted, accepted) of uncapped rows
         for b, (s, d) in enumerate(zip(seqs, drafts)):
             try:
                 verdict: Verdict = verify(logits[b, :1 + len(d)], d, s.req.params, s.generator)
@@ -465,11 +480,12 @@ class Engine:
             rows = [0] + [c + 1 for c in verdict.accepted_nodes]  # forward rows kept, in order
             self.cache.compact_path(s.slot, starts[b], rows)
             if s.proposer.needs_features:
-                new = hidden[b, rows].clone()  # [n, D]
-                s.features = new if s.features is None else torch.cat([s.features, new])
+                s.feature_chunks.append(hidden[b, rows].clone())  # [n, D]
             s.stats.record(len(d), verdict.num_accepted)
-            if len(d):
-                s.alpha = update_alpha(s.alpha, len(d), verdict.num_accepted)
+            if s.uncapped and s.proposer.name != "none":
+                observed.setdefault(s.proposer.name, ([], []))
+                observed[s.proposer.name][0].append(len(d))
+                observed[s.proposer.name][1].append(verdict.num_accepted)
             outcomes.setdefault(s.proposer.name, []).append(
                 StepOutcome(s.seq_id, len(d), verdict.accepted_nodes, verdict.emitted))
             self._emit(s, verdict.emitted)
@@ -478,6 +494,8 @@ class Engine:
             s.stats.verify_seconds += elapsed
         for name, outs in outcomes.items():
             self.proposers[name].observe(outs)
+        for name, (drafted, accepted) in observed.items():
+            self._acceptance_model(name).update(drafted, accepted)
 
     def _decode_static(self, seqs: list[_Sequence]) -> None:
         """Rows whose proposer runs the whole step as one static computation (DSPark): drafting,
@@ -494,8 +512,8 @@ class Engine:
                 cap = self.cfg.max_draft_len if s.req.num_draft_tokens is None else s.req.num_draft_tokens
                 room = min(cap, s.req.params.max_tokens - s.num_output - 1, self.cfg.max_model_len - len(s.tokens))
                 rows.append(StaticRow(s.seq_id, s.slot, s.tokens, self.cache.lengths[s.slot], max(room, 0),
-                                      s.req.params, s.generator, s.features, s.req.spec_threshold))
-                s.features = None
+                                      s.req.params, s.generator, _features(s), s.req.spec_threshold))
+                s.feature_chunks = []
             t0 = time.perf_counter()
             outcomes = group[0].proposer.step(rows)
             elapsed = time.perf_counter() - t0
@@ -580,6 +598,12 @@ def _prefill_groups(seqs: list[_Sequence], budget: int) -> list[list[_Sequence]]
     if group:
         groups.append(group)
     return groups
+
+
+def _features(seq: _Sequence) -> torch.Tensor | None:
+    """[n, D]: the committed features the proposer has not taken yet, or None."""
+    chunks = seq.feature_chunks
+    return None if not chunks else chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
 
 def _draft_problem(draft: Draft, vocab_size: int) -> str | None:

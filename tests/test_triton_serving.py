@@ -210,6 +210,8 @@ BAD_INPUTS = [
      "num_draft_tokens must be an integer in [0, 8] (the server's max_draft_len), got 99"),
     ("spec_threshold out of range", "hi", {"spec_threshold": 2},
      "spec_threshold must be a number in [0, 1], got 2.0"),
+    ("unknown draft_policy", "hi", {"draft_policy": "greedy"},
+     "draft_policy must be one of adaptive, fixed, got 'greedy'"),
     ("invalid UTF-8", b"abc\xff\xfe def", {"max_tokens": 4}, "text_input is not valid UTF-8: invalid start byte at byte 3"),
 ]
 GOOD = ("hi there", {"max_tokens": 6})
