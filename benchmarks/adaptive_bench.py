@@ -19,7 +19,6 @@ import argparse
 import json
 import platform
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +26,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from dspark_bench import DEMO, alternated_prompts  # noqa: E402
+from serving_phases import DEMO, alternated_prompts, run_phases  # noqa: E402
 
 CONFIGS = {"none": ("none", None), "eagle": ("eagle", "adaptive"), "eagle/fixed": ("eagle", "fixed")}
 
@@ -44,51 +43,22 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("docs/reliability/adaptive.json"))
     args = ap.parse_args()
 
-    from specserve.bench.metrics import summarize
-    from specserve.bench.runner import StreamDriver, run_phase
-    from specserve.bench.workload import WorkloadRequest
-    from specserve.triton.launch import TritonServer
-    from specserve.triton.render import RepositorySettings, render_repository
-    from specserve.triton.tokenizer import load_tokenizer
+    from specserve.triton.render import RepositorySettings
 
-    class Driver(StreamDriver):
-        def sampling(self, req, config):
-            method, policy = CONFIGS[config]
-            out = {"max_tokens": req.max_tokens, "temperature": 0.0, "spec_method": method}
-            if policy:
-                out["draft_policy"] = policy
-            return out
-
-    tok = load_tokenizer(DEMO / "target")
-    prompts = alternated_prompts(args.prompts)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    work = Path(tempfile.mkdtemp(prefix="adaptive-bench-"))
-    repo = render_repository(RepositorySettings(DEMO / "target", max_num_seqs=max(concurrencies), max_model_len=1024,
-                                                max_draft_len=8, default_method="eagle",
-                                                drafters=(("eagle", str(DEMO / "eagle")),), draft_policy="adaptive",
-                                                max_queue_len=4 * max(concurrencies)),
-                             work / "model_repository")
-    srv = TritonServer(repo, work, None, log_file=work / "tritonserver.log", exit_timeout_s=5)
-    srv.start()
-    phases = {}
-    try:
-        srv.wait_ready(300)
-        driver = Driver(srv.grpc_url)
-        for c in concurrencies:
-            n = max(len(prompts), 2 * c)
-            reqs = [WorkloadRequest(i, prompts[i % len(prompts)]["kind"], prompts[i % len(prompts)]["prompt"],
-                                    len(tok.encode(prompts[i % len(prompts)]["prompt"]).ids), args.new_tokens)
-                    for i in range(n)]
-            print(f"concurrency {c}: {n} requests, blocks of {max(c, 4)}", flush=True)
-            res = run_phase(driver, f"C={c}", reqs, list(CONFIGS), concurrency=c, block_size=max(c, 4))
-            summary = {m: summarize(res.records[m], res.windows[m]) for m in CONFIGS}
-            ref = {r.index: r.text for r in res.records["none"]}
-            for m in CONFIGS:
-                same = [r.text == ref.get(r.index) for r in res.records[m] if r.ok]
-                summary[m]["identical_to_none"] = sum(same) / len(same) if same else None
-            phases[c] = summary
-    finally:
-        srv.stop()
+    settings = RepositorySettings(DEMO / "target", max_num_seqs=max(concurrencies), max_model_len=1024,
+                                  max_draft_len=8, default_method="eagle", drafters=(("eagle", str(DEMO / "eagle")),),
+                                  draft_policy="adaptive", max_queue_len=4 * max(concurrencies))
+
+    def sampling(req, config):
+        method, policy = CONFIGS[config]
+        out = {"max_tokens": req.max_tokens, "temperature": 0.0, "spec_method": method}
+        if policy:
+            out["draft_policy"] = policy
+        return out
+
+    phases = run_phases(settings, list(CONFIGS), sampling, prompts=alternated_prompts(args.prompts),
+                        concurrencies=concurrencies, new_tokens=args.new_tokens)
 
     rows = []
     for c, summary in phases.items():

@@ -22,7 +22,6 @@ import json
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,61 +29,24 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-DEMO = ROOT / "models" / "demo"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from serving_phases import DEMO, alternated_prompts, run_phases  # noqa: E402
+
 METHODS = ["dspark", "eagle", "none"]
 
 
-def alternated_prompts(n_per_kind: int) -> list[dict]:
-    held = [json.loads(line) for line in (DEMO / "heldout_prompts.jsonl").read_text().splitlines()]
-    code = [h for h in held if h["kind"] == "code"][:n_per_kind]
-    prose = [h for h in held if h["kind"] == "prose"][:n_per_kind]
-    out = []
-    for c, p in zip(code, prose):
-        out += [c, p]
-    return out
-
-
 def serving(args, log=print) -> dict:
-    from specserve.bench.metrics import summarize
-    from specserve.bench.runner import StreamDriver, run_phase
-    from specserve.bench.workload import WorkloadRequest
-    from specserve.triton.launch import TritonServer
-    from specserve.triton.render import RepositorySettings, render_repository
-    from specserve.triton.tokenizer import load_tokenizer
+    from specserve.triton.render import RepositorySettings
 
-    tok = load_tokenizer(DEMO / "target")
-    prompts = alternated_prompts(args.prompts)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    work = Path(tempfile.mkdtemp(prefix="dspark-bench-"))
-    repo = render_repository(RepositorySettings(DEMO / "target", max_num_seqs=max(concurrencies), max_model_len=1024,
-                                                max_draft_len=8, default_method="none",
-                                                drafters=(("eagle", str(DEMO / "eagle")),), device="cpu"),
-                             work / "model_repository")
-    srv = TritonServer(repo, work, None, log_file=work / "tritonserver.log", exit_timeout_s=5)
-    srv.start()
-    phases = {}
-    try:
-        srv.wait_ready(300)
-        driver = StreamDriver(srv.grpc_url)
-        for c in concurrencies:
-            # At concurrency C a block holds at least C requests (so C are really in flight);
-            # prompts repeat when there are fewer.
-            n = max(len(prompts), 2 * c)
-            reqs = [WorkloadRequest(i, prompts[i % len(prompts)]["kind"], prompts[i % len(prompts)]["prompt"],
-                                    len(tok.encode(prompts[i % len(prompts)]["prompt"]).ids), args.new_tokens)
-                    for i in range(n)]
-            block = max(c, 4)
-            log(f"concurrency {c}: {n} requests, blocks of {block}, methods rotated per block")
-            res = run_phase(driver, f"C={c}", reqs, METHODS, concurrency=c, block_size=block, log=log)
-            summary = {m: summarize(res.records[m], res.windows[m]) for m in METHODS}
-            ref = {r.index: r.text for r in res.records["none"]}
-            for m in METHODS:
-                same = [r.text == ref.get(r.index) for r in res.records[m] if r.ok]
-                summary[m]["identical_to_none"] = sum(same) / len(same) if same else None
-            phases[f"C={c}"] = summary
-    finally:
-        srv.stop()
-    return phases
+    settings = RepositorySettings(DEMO / "target", max_num_seqs=max(concurrencies), max_model_len=1024,
+                                  max_draft_len=8, default_method="none",
+                                  drafters=(("eagle", str(DEMO / "eagle")),), device="cpu")
+    phases = run_phases(settings, METHODS,
+                        lambda req, m: {"max_tokens": req.max_tokens, "temperature": 0.0, "spec_method": m},
+                        prompts=alternated_prompts(args.prompts), concurrencies=concurrencies,
+                        new_tokens=args.new_tokens, log=log)
+    return {f"C={c}": v for c, v in phases.items()}
 
 
 def _engine(span_set: str, max_num_seqs: int):

@@ -69,9 +69,11 @@ def grid(max_num_seqs: int, max_draft_len: int) -> tuple[tuple[int, ...], tuple[
 
 
 def profile(verify: Callable[[int, int], None], batch_sizes: Sequence[int], widths: Sequence[int],
-            reps: int = 2) -> CostTable:
+            reps: int = 3) -> CostTable:
     """`verify(B, T)` runs one verify forward of B rows × T tokens; each grid point is timed
-    `reps` times after a warm-up, keeping the fastest (the least disturbed by other work)."""
+    `reps` times after a warm-up, keeping the fastest (the least disturbed by other work). A
+    forward never costs less with more rows or tokens, so the table is made monotone in both
+    (a point that measured low by noise is lifted to its smaller neighbour)."""
     seconds = []
     for b in batch_sizes:
         row = []
@@ -83,38 +85,44 @@ def profile(verify: Callable[[int, int], None], batch_sizes: Sequence[int], widt
                 verify(b, t)
                 best = min(best, time.perf_counter() - t0)
             row.append(best)
-        seconds.append(tuple(row))
-    return CostTable(tuple(batch_sizes), tuple(widths), tuple(seconds))
+        seconds.append(row)
+    for i, row in enumerate(seconds):
+        for j in range(len(row)):
+            row[j] = max([row[j]] + ([row[j - 1]] if j else []) + ([seconds[i - 1][j]] if i else []))
+    return CostTable(tuple(batch_sizes), tuple(widths), tuple(tuple(r) for r in seconds))
 
 
 @dataclass
 class AcceptanceModel:
-    """One proposer's acceptance, from its uncapped steps: at_least[i-1] = P(a step accepts at
-    least i drafted tokens), and `width`, the widest draft of a step (moving averages)."""
+    """One proposer's behaviour on its uncapped steps, per row (moving averages):
+    at_least[i-1] = P(a row's step accepts at least i drafted tokens), and
+    drafted_at_least[i-1] = P(the proposer drafts at least i tokens for a row)."""
     max_k: int
     at_least: list[float] = field(default_factory=list)
-    width: float = 0.0
+    drafted_at_least: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if not self.at_least:   # prior: modest acceptance, until the proposer's own steps say otherwise
+        # Prior: modest acceptance, full-length drafts, until the proposer's own steps say otherwise.
+        if not self.at_least:
             self.at_least = [PRIOR_ACCEPT ** (i + 1) for i in range(self.max_k)]
-            self.width = float(self.max_k)
+        if not self.drafted_at_least:
+            self.drafted_at_least = [1.0] * self.max_k
 
     def expected_tokens(self, k: int) -> float:
         """Tokens a row emits per step with at most k drafted (accepted ones + the bonus/recovered)."""
         return 1.0 + sum(self.at_least[:k])
 
-    def drafted_width(self, k: int) -> float:
-        return min(float(k), self.width)
+    def drafted_width(self, k: int, rows: int = 1) -> float:
+        """Expected widest draft among `rows` rows under cap k: the verify width minus 1.
+        E[max] = Σ_i P(max ≥ i) = Σ_i 1 − (1 − P(d ≥ i))^rows."""
+        return sum(1.0 - (1.0 - p) ** rows for p in self.drafted_at_least[:k])
 
     def update(self, drafted: Sequence[int], accepted: Sequence[int]) -> None:
         """One step's uncapped rows of this proposer: their draft lengths and accepted counts."""
-        if not drafted:
-            return
-        for a in accepted:
+        for d, a in zip(drafted, accepted):
             for i in range(self.max_k):
                 self.at_least[i] += WEIGHT * ((1.0 if a > i else 0.0) - self.at_least[i])
-        self.width += WEIGHT * (max(drafted) - self.width)
+                self.drafted_at_least[i] += WEIGHT * ((1.0 if d > i else 0.0) - self.drafted_at_least[i])
 
 
 @dataclass(frozen=True)
@@ -129,14 +137,24 @@ def choose(table: CostTable, batch: int, adaptive: Sequence[tuple[AcceptanceMode
     """The cap k with the highest expected goodput. `adaptive`: (model, the row's own cap) of
     each adaptive row; `fixed`: (model, its fixed draft length) of rows outside the policy; the
     rest of the batch's `batch` rows do not draft (spec_method none)."""
-    fixed_width = max((m.drafted_width(k) for m, k in fixed), default=0.0)
+
+    def width(rows: Sequence[tuple[AcceptanceModel, int]], k: int | None) -> float:
+        """Expected verify width − 1 forced by `rows` (capped at k when given)."""
+        by_model: dict[int, list] = {}
+        for m, cap in rows:
+            by_model.setdefault(id(m), [m, 0, 0])
+            by_model[id(m)][1] += 1
+            by_model[id(m)][2] = max(by_model[id(m)][2], cap if k is None else min(cap, k))
+        return max((m.drafted_width(c, n) for m, n, c in by_model.values()), default=0.0)
+
+    fixed_width = width(fixed, None)
     fixed_tokens = sum(m.expected_tokens(k) for m, k in fixed)
     plain_rows = batch - len(adaptive) - len(fixed)
     max_k = max((cap for _, cap in adaptive), default=0)
     best: Choice | None = None
     plain = 0.0
     for k in range(max_k + 1):
-        drafted = max([fixed_width] + [m.drafted_width(min(k, cap)) for m, cap in adaptive])
+        drafted = max(fixed_width, width(adaptive, k))
         seconds = table.cost(batch, 1 + drafted) + draft_cost_per_token * drafted
         tokens = sum(m.expected_tokens(min(k, cap)) for m, cap in adaptive) + fixed_tokens + plain_rows
         g = tokens / seconds

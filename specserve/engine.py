@@ -201,6 +201,7 @@ class Engine:
         if config.draft_policy == "adaptive":
             from specserve.draft_policy import profile_engine_verify
             self.cost_table = profile_engine_verify(self)
+            log.info("adaptive draft policy: verify cost table (ms) %s", self.cost_table.to_dict())
         self._draft_cost: dict[str, float] = {}   # seconds per drafted position, per proposer
         self._acceptance: dict[str, AcceptanceModel] = {}   # per proposer, for the adaptive policy
         self.last_policy_k: int | None = None      # the adaptive policy's last choice (metrics)

@@ -25,38 +25,63 @@ def test_cost_table_interpolates_between_grid_points():
     assert TABLE.cost(16, 13) == pytest.approx(0.240)          # past the grid: the last segment goes on
 
 
-def model(at_least, width):
-    return AcceptanceModel(len(at_least), list(at_least), width)
+def model(at_least, drafted_at_least):
+    return AcceptanceModel(len(at_least), list(at_least), list(drafted_at_least))
 
 
-def test_acceptance_model_counts_uncapped_steps():
+def test_acceptance_model_learns_from_uncapped_rows():
     m = AcceptanceModel(4)
-    assert m.at_least == pytest.approx([0.6, 0.36, 0.216, 0.1296]) and m.width == 4.0
+    assert m.at_least == pytest.approx([0.6, 0.36, 0.216, 0.1296]) and m.drafted_at_least == [1.0] * 4
     assert m.expected_tokens(2) == pytest.approx(1.96) and m.drafted_width(2) == 2.0
-    m.update(drafted=[3, 1], accepted=[3, 0])        # one row accepted all 3, the other none
+    m.update(drafted=[3, 1], accepted=[3, 0])        # one row accepted all 3 it drafted, the other none
     w = 0.02
     assert m.at_least[0] == pytest.approx(0.6 + w * (1 - 0.6) + w * (0 - (0.6 + w * 0.4)))
     assert m.at_least[3] == pytest.approx(0.1296 * (1 - w) ** 2)   # nobody accepted a 4th token
-    assert m.width == pytest.approx(4 + w * (3 - 4))
+    assert m.drafted_at_least == pytest.approx([1.0, 1 - w, 1 - w, (1 - w) ** 2])
 
 
-# A proposer whose own stopping rule drafts ~5 tokens and gets 4 accepted most of the time.
-CONFIDENT = model([0.95, 0.9, 0.85, 0.8, 0.3, 0.2, 0.1, 0.05], width=5.5)
+def test_expected_width_is_the_widest_of_the_batch():
+    m = model([0.5] * 4, [1.0, 0.5, 0.5, 0.0])       # drafts 1 or 3 tokens, half and half
+    assert m.drafted_width(4, rows=1) == pytest.approx(2.0)
+    assert m.drafted_width(4, rows=2) == pytest.approx(1 + 0.75 + 0.75)   # P(max >= i) = 1 - 0.5^2
+    assert m.drafted_width(1, rows=16) == pytest.approx(1.0)
+
+
+# A proposer whose own stopping rule drafts 4 or 8 tokens and gets most of the first 4 accepted.
+CONFIDENT = model([0.95, 0.9, 0.85, 0.8, 0.3, 0.2, 0.1, 0.05], [1, 1, 1, 1, 0.4, 0.4, 0.4, 0.4])
 
 
 def test_choice_drafts_long_when_verify_is_cheap_and_not_at_all_when_it_is_not():
     one = choose(TABLE, 1, [(CONFIDENT, 8)], [], draft_cost_per_token=0.0005)
-    # k = 8: 1 + 4.15 tokens; the proposer drafts 5.5 wide, so c(1, 6.5) = 0.01275 s + 5.5 × 0.0005
-    assert one.k == 8 and one.plain_goodput == 100.0
-    assert one.goodput == pytest.approx(5.15 / 0.0155)
-    # The same proposer under a cap: 4 tokens cap the tail it would have had
-    assert choose(TABLE, 1, [(CONFIDENT, 4)], [], draft_cost_per_token=0.0005).k == 4
-    weak = model([0.3, 0.1, 0.05, 0.0], width=4)
+    # k = 6: 1 + 4.0 tokens; expected width 4 + 2 × 0.4 = 4.8, so c(1, 5.8) = 0.0124 s + 4.8 × 0.0005
+    # (k = 8 adds 0.15 expected tokens for 0.8 more width: 5.15 / 0.0156 s is less)
+    assert one.k == 6 and one.plain_goodput == 100.0
+    assert one.goodput == pytest.approx(5.0 / (0.0124 + 0.0024))
+    weak = model([0.3, 0.1, 0.05, 0.0], [1.0] * 4)
     busy = choose(TABLE, 16, [(weak, 4)] * 16, [], draft_cost_per_token=0.0005)
     assert busy.k == 0 and busy.goodput == busy.plain_goodput == pytest.approx(16 / 0.020)
     # A fixed row that drafts 8 anyway makes width free for the adaptive rows.
-    beside = choose(TABLE, 16, [(CONFIDENT, 8)], [(CONFIDENT, 8)], draft_cost_per_token=0.0)
+    beside = choose(TABLE, 16, [(CONFIDENT, 8)], [(model([0.5] * 8, [1.0] * 8), 8)], draft_cost_per_token=0.0)
     assert beside.k == 8
+
+
+def test_the_cost_table_is_monotone_whatever_the_noise():
+    noise = iter([5, 3, 9, 2] * 10)   # seconds per call, in order: warm-up then 3 reps per point
+    clock = {"t": 0.0}
+    import specserve.draft_policy as dp
+
+    def verify(b, t):
+        clock["t"] += next(noise)
+
+    real = dp.time.perf_counter
+    dp.time.perf_counter = lambda: clock["t"]
+    try:
+        table = dp.profile(verify, (1, 2), (1, 2))
+    finally:
+        dp.time.perf_counter = real
+    flat = [x for row in table.seconds for x in row]
+    assert table.seconds[0][0] <= table.seconds[0][1] <= table.seconds[1][1]
+    assert table.seconds[0][0] <= table.seconds[1][0] <= table.seconds[1][1] and min(flat) > 0
 
 
 def test_grid_covers_the_engine_limits():

@@ -1,0 +1,69 @@
+"""Closed-loop serving phases through one tritonserver on the demo model, shared by the method
+benchmarks (dspark_bench, adaptive_bench): held-out code and prose prompts alternated, every
+configuration on every block of requests in an order rotated per block
+(specserve.bench.runner.run_phase), greedy outputs compared with the reference configuration's."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "models" / "demo"
+
+
+def alternated_prompts(n_per_kind: int) -> list[dict]:
+    held = [json.loads(line) for line in (DEMO / "heldout_prompts.jsonl").read_text().splitlines()]
+    code = [h for h in held if h["kind"] == "code"][:n_per_kind]
+    prose = [h for h in held if h["kind"] == "prose"][:n_per_kind]
+    out = []
+    for c, p in zip(code, prose):
+        out += [c, p]
+    return out
+
+
+def run_phases(settings, configs: list[str], sampling: Callable[[object, str], dict], *, prompts: list[dict],
+               concurrencies: list[int], new_tokens: int, reference: str = "none", log=print) -> dict:
+    """{concurrency: {config: summary}} for a server rendered from RepositorySettings `settings`;
+    `sampling(workload_request, config)` gives each request's sampling_parameters."""
+    from specserve.bench.metrics import summarize
+    from specserve.bench.runner import StreamDriver, run_phase
+    from specserve.bench.workload import WorkloadRequest
+    from specserve.triton.launch import TritonServer
+    from specserve.triton.render import render_repository
+    from specserve.triton.tokenizer import load_tokenizer
+
+    class Driver(StreamDriver):
+        def sampling(self, req, config):
+            return sampling(req, config)
+
+    tok = load_tokenizer(DEMO / "target")
+    work = Path(tempfile.mkdtemp(prefix="serving-phases-"))
+    srv = TritonServer(render_repository(settings, work / "model_repository"), work, None,
+                       log_file=work / "tritonserver.log", exit_timeout_s=5)
+    srv.start()
+    phases = {}
+    try:
+        srv.wait_ready(300)
+        driver = Driver(srv.grpc_url)
+        for c in concurrencies:
+            # At concurrency C a block holds at least C requests (so C are really in flight);
+            # prompts repeat when there are fewer.
+            n = max(len(prompts), 2 * c)
+            reqs = [WorkloadRequest(i, prompts[i % len(prompts)]["kind"], prompts[i % len(prompts)]["prompt"],
+                                    len(tok.encode(prompts[i % len(prompts)]["prompt"]).ids), new_tokens)
+                    for i in range(n)]
+            block = max(c, 4)
+            log(f"concurrency {c}: {n} requests, blocks of {block}, configurations rotated per block")
+            res = run_phase(driver, f"C={c}", reqs, configs, concurrency=c, block_size=block, log=log)
+            summary = {m: summarize(res.records[m], res.windows[m]) for m in configs}
+            ref = {r.index: r.text for r in res.records[reference]}
+            for m in configs:
+                same = [r.text == ref.get(r.index) for r in res.records[m] if r.ok]
+                summary[m]["identical_to_none"] = sum(same) / len(same) if same else None
+            phases[c] = summary
+    finally:
+        srv.stop()
+    return phases
