@@ -13,9 +13,11 @@ on drafted tokens per row:
   …, 1 + max_draft_len}) and interpolated linearly between grid points.
 - E_p(k) = 1 + Σ_{i ≤ k} P_p(a step accepts at least i drafted tokens): the tokens a row of
   proposer p emits under cap k (a capped draft accepts min(a, k)). The probabilities are moving
-  averages over the proposer's UNCAPPED steps, so they include the proposer's own stopping rule
-  (a calibration head drafts long only where it is confident; a per-token acceptance rate would
-  miss exactly those long runs).
+  averages over the proposer's own steps, so they include its stopping rule (a calibration head
+  drafts long only where it is confident; a per-token acceptance rate would miss exactly those
+  long runs). A step capped at c says nothing about positions ≥ c, so it updates only positions
+  below c (censored observations); positions never observed keep an optimistic prior, so the
+  policy tries longer drafts where it does not know yet, and learns.
 - w(k) = min(k, the proposer's usual widest draft in a step): the drafted width the cap allows.
 - d: seconds of drafting per drafted position (moving average of the proposers' calls).
 
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 POLICIES = ("adaptive", "fixed")
-PRIOR_ACCEPT = 0.6     # prior P(accept) per position, until a proposer's own steps say otherwise
+PRIOR_ACCEPT = 0.9     # optimistic prior P(accept) per position, until a proposer's own steps say otherwise
 WEIGHT = 0.02          # moving-average weight of one row-step observation
 DRAFT_COST_WEIGHT = 0.2
 
@@ -94,7 +96,7 @@ def profile(verify: Callable[[int, int], None], batch_sizes: Sequence[int], widt
 
 @dataclass
 class AcceptanceModel:
-    """One proposer's behaviour on its uncapped steps, per row (moving averages):
+    """One proposer's behaviour per row (moving averages over the positions each step observed):
     at_least[i-1] = P(a row's step accepts at least i drafted tokens), and
     drafted_at_least[i-1] = P(the proposer drafts at least i tokens for a row)."""
     max_k: int
@@ -117,10 +119,11 @@ class AcceptanceModel:
         E[max] = Σ_i P(max ≥ i) = Σ_i 1 − (1 − P(d ≥ i))^rows."""
         return sum(1.0 - (1.0 - p) ** rows for p in self.drafted_at_least[:k])
 
-    def update(self, drafted: Sequence[int], accepted: Sequence[int]) -> None:
-        """One step's uncapped rows of this proposer: their draft lengths and accepted counts."""
-        for d, a in zip(drafted, accepted):
-            for i in range(self.max_k):
+    def update(self, drafted: Sequence[int], accepted: Sequence[int], caps: Sequence[int]) -> None:
+        """One step's rows of this proposer: draft lengths, accepted counts, and the cap each row
+        drafted under (positions at or past it were not observed)."""
+        for d, a, c in zip(drafted, accepted, caps):
+            for i in range(min(c, self.max_k)):
                 self.at_least[i] += WEIGHT * ((1.0 if a > i else 0.0) - self.at_least[i])
                 self.drafted_at_least[i] += WEIGHT * ((1.0 if d > i else 0.0) - self.drafted_at_least[i])
 

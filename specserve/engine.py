@@ -1,8 +1,8 @@
 """The engine: continuous batching around one target model, with speculative decoding.
 
 Each `step()`:
-  1. admits queued requests while KV slots are free and prefills them in one forward; each
-     emits its first token;
+  1. admits queued requests while KV slots are free (by tier priority, aged by steps waited:
+     specserve/admission.py) and prefills them in one forward; each emits its first token;
   2. asks every running sequence's proposer for a draft (one call per proposer for its rows);
   3. verifies all rows in ONE target forward — rows may differ in draft size (chain or tree) and
      in context length; the mask and positions say which is which;
@@ -30,6 +30,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from specserve.admission import AGING_STEPS, MAX_PRIORITY, PriorityAging
 from specserve.draft_policy import DRAFT_COST_WEIGHT, POLICIES, AcceptanceModel, choose
 from specserve.kv_cache import KVCache
 from specserve.masks import build_mask
@@ -66,6 +67,9 @@ class EngineConfig:
     # (draft_policy.py; profiles verify costs at start); "fixed": every row drafts its cap.
     # Requests may choose either (GenerationRequest.draft_policy).
     draft_policy: str = "fixed"
+    # When slots are full, waiting requests are admitted by priority, aged by steps waited
+    # (admission.py: one level per this many steps, so the lowest tier is never starved).
+    priority_aging_steps: int = AGING_STEPS
 
 
 @dataclass
@@ -122,6 +126,8 @@ class GenerationRequest:
     num_draft_tokens: int | None = None
     spec_threshold: float | None = None
     draft_policy: str | None = None   # "adaptive" | "fixed"; None → the engine's
+    # Scheduling priority from the request's tier (0..MAX_PRIORITY, higher first; admission.py).
+    priority: int = 0
 
 
 @dataclass
@@ -154,7 +160,12 @@ class _Sequence:
     # across steps without a call — a failed call, or no room to draft — so nothing is lost)
     feature_chunks: list[torch.Tensor] = field(default_factory=list)
     step_cap: int | None = None       # this step's draft cap from the adaptive policy
-    uncapped: bool = False            # this step drafted with the row's full cap (policy statistics)
+    step_room: int = 0                # this step's cap as the proposer saw it (policy statistics)
+    enqueued_step: int = 0            # the engine's step count when it was queued (admission aging)
+
+    @property
+    def priority(self) -> int:
+        return self.req.priority
 
     @property
     def num_output(self) -> int:
@@ -190,7 +201,9 @@ class Engine:
             scratch = self.cache.allocate()
             for p in static:
                 p.bind(self.cache, scratch)
-        self._waiting: deque[_Sequence] = deque()
+        self._waiting: deque[_Sequence] = deque()   # arrival order; admission.py picks from it
+        self._admission = PriorityAging(config.priority_aging_steps)
+        self._steps = 0   # step() calls so far: the admission policy's clock
         self._running: list[_Sequence] = []
         self._by_id: dict[str, _Sequence] = {}
         self._aborted: list[RequestOutput] = []
@@ -239,6 +252,9 @@ class Engine:
             raise RequestRejected(f"spec_threshold must be a number in [0, 1], got {th!r}")
         if req.draft_policy is not None and req.draft_policy not in POLICIES:
             raise RequestRejected(f"draft_policy must be one of {', '.join(POLICIES)}, got {req.draft_policy!r}")
+        p = req.priority
+        if not (isinstance(p, int) and not isinstance(p, bool) and 0 <= p <= MAX_PRIORITY):
+            raise RequestRejected(f"priority must be an integer in [0, {MAX_PRIORITY}], got {p!r}")
         if req.params.stop and self.detokenize is None:
             raise RequestRejected("stop strings need a tokenizer; this engine has none")
         if req.request_id in self._by_id:
@@ -250,7 +266,7 @@ class Engine:
         seq = _Sequence(seq_id=next(self._ids), req=req, proposer=self.proposers[method],
                         generator=None if req.params.greedy else make_generator(req.params, self.model.device),
                         stats=SpecStats(method), tokens=list(req.prompt_ids),
-                        num_prompt=len(req.prompt_ids))
+                        num_prompt=len(req.prompt_ids), enqueued_step=self._steps)
         self._waiting.append(seq)
         self._by_id[req.request_id] = seq
 
@@ -307,6 +323,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
         decoding = list(self._running)  # sequences admitted now decode from the next step
+        self._steps += 1
         admitted = self._admit()
         for group in _prefill_groups(admitted, self.cfg.max_prefill_tokens):
             self._prefill(group)
@@ -327,7 +344,9 @@ class Engine:
     def _admit(self) -> list[_Sequence]:
         admitted = []
         while self._waiting and self.cache.num_free:
-            seq = self._waiting.popleft()
+            i = self._admission.pick(self._waiting, self._steps)
+            seq = self._waiting[i]
+            del self._waiting[i]
             seq.slot = self.cache.allocate()
             self._running.append(seq)
             admitted.append(seq)
@@ -370,12 +389,11 @@ class Engine:
             for s in group:
                 # Never draft past max_tokens or the model length: the step adds one more token.
                 cap = self.cfg.max_draft_len if s.req.num_draft_tokens is None else s.req.num_draft_tokens
-                full = cap
                 if s.step_cap is not None:
                     cap = min(cap, s.step_cap)
                 room = min(cap, s.req.params.max_tokens - s.num_output - 1,
                            self.cfg.max_model_len - len(s.tokens))
-                s.uncapped = room >= full
+                s.step_room = max(room, 0)
                 if room <= 0:
                     # Nothing to draft (the policy's cap, or the end of the request): no call. The
                     # features wait for the next call, which takes them all at once.
@@ -470,7 +488,7 @@ class Engine:
         hidden = self._forward(tokens, positions, [s.slot for s in seqs], starts, mask)  # [B, T, D]
         logits = self.model.logits(hidden)  # [B, T, V]
         outcomes: dict[str, list[StepOutcome]] = {}
-        observed: dict[str, tuple[list[int], list[int]]] = {}   # proposer → (drafted, accepted) of uncapped rows
+        observed: dict[str, tuple[list[int], list[int], list[int]]] = {}   # proposer → (drafted, accepted, caps)
         for b, (s, d) in enumerate(zip(seqs, drafts)):
             try:
                 verdict: Verdict = verify(logits[b, :1 + len(d)], d, s.req.params, s.generator)
@@ -483,10 +501,11 @@ class Engine:
             if s.proposer.needs_features:
                 s.feature_chunks.append(hidden[b, rows].clone())  # [n, D]
             s.stats.record(len(d), verdict.num_accepted)
-            if s.uncapped and s.proposer.name != "none":
-                observed.setdefault(s.proposer.name, ([], []))
-                observed[s.proposer.name][0].append(len(d))
-                observed[s.proposer.name][1].append(verdict.num_accepted)
+            if s.proposer.name != "none":
+                seen = observed.setdefault(s.proposer.name, ([], [], []))
+                seen[0].append(len(d))
+                seen[1].append(verdict.num_accepted)
+                seen[2].append(s.step_room)
             outcomes.setdefault(s.proposer.name, []).append(
                 StepOutcome(s.seq_id, len(d), verdict.accepted_nodes, verdict.emitted))
             self._emit(s, verdict.emitted)
@@ -495,8 +514,8 @@ class Engine:
             s.stats.verify_seconds += elapsed
         for name, outs in outcomes.items():
             self.proposers[name].observe(outs)
-        for name, (drafted, accepted) in observed.items():
-            self._acceptance_model(name).update(drafted, accepted)
+        for name, (drafted, accepted, caps) in observed.items():
+            self._acceptance_model(name).update(drafted, accepted, caps)
 
     def _decode_static(self, seqs: list[_Sequence]) -> None:
         """Rows whose proposer runs the whole step as one static computation (DSPark): drafting,

@@ -31,13 +31,18 @@ def model(at_least, drafted_at_least):
 
 def test_acceptance_model_learns_from_uncapped_rows():
     m = AcceptanceModel(4)
-    assert m.at_least == pytest.approx([0.6, 0.36, 0.216, 0.1296]) and m.drafted_at_least == [1.0] * 4
-    assert m.expected_tokens(2) == pytest.approx(1.96) and m.drafted_width(2) == 2.0
-    m.update(drafted=[3, 1], accepted=[3, 0])        # one row accepted all 3 it drafted, the other none
+    assert m.at_least == pytest.approx([0.9, 0.81, 0.729, 0.6561]) and m.drafted_at_least == [1.0] * 4
+    assert m.expected_tokens(2) == pytest.approx(2.71) and m.drafted_width(2) == 2.0
+    # Uncapped (cap 4): one row accepted all 3 it drafted, the other none of 1.
+    m.update(drafted=[3, 1], accepted=[3, 0], caps=[4, 4])
     w = 0.02
-    assert m.at_least[0] == pytest.approx(0.6 + w * (1 - 0.6) + w * (0 - (0.6 + w * 0.4)))
-    assert m.at_least[3] == pytest.approx(0.1296 * (1 - w) ** 2)   # nobody accepted a 4th token
+    assert m.at_least[0] == pytest.approx(0.9 + w * (1 - 0.9) + w * (0 - (0.9 + w * 0.1)))
+    assert m.at_least[3] == pytest.approx(0.6561 * (1 - w) ** 2)   # nobody accepted a 4th token
     assert m.drafted_at_least == pytest.approx([1.0, 1 - w, 1 - w, (1 - w) ** 2])
+    # A row capped at 1 tells nothing about positions 2..4.
+    before = list(m.at_least)
+    m.update(drafted=[1], accepted=[1], caps=[1])
+    assert m.at_least[1:] == before[1:] and m.at_least[0] == pytest.approx(before[0] + w * (1 - before[0]))
 
 
 def test_expected_width_is_the_widest_of_the_batch():
