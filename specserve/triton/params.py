@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from specserve.triton.tiers import Tier
 
 # The keys a client may send, with the JSON types each accepts. `spec_method` overrides the
 # tier's speculation method ("none" = plain decoding); `num_draft_tokens` caps the tokens drafted
@@ -48,6 +51,9 @@ class RequestConfig:
     stream: bool = False             # stream one response per engine output, or one at the end
     include_prompt: bool = False     # text_output starts with the prompt text
     tier: str = "default"
+    # The tier's scheduling priority (tiers.py; never a client's key): higher is admitted first
+    # when the engine's slots are full (specserve/admission.py).
+    priority: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -127,10 +133,39 @@ def parse_sampling_parameters(raw: str | bytes | None) -> tuple[dict[str, Any], 
 
 
 def make_request_config(sampling_parameters: str | bytes | None, stream: bool | None,
-                        exclude_input_in_output: bool | None, tier: str = "default") -> RequestConfig:
+                        exclude_input_in_output: bool | None, tier: "Tier | str" = "default") -> RequestConfig:
     """Apply the vLLM backend's defaults: the prompt is included unless excluded, except when
-    streaming, where responses carry only new text unless the client asks for the prompt."""
+    streaming, where responses carry only new text unless the client asks for the prompt.
+    With a Tier, its settings fill what the request left unset (request > tier > server default;
+    tiers.py) and its max_tokens limit is enforced."""
     sampling, spec = parse_sampling_parameters(sampling_parameters)
     stream = bool(stream)
     include = (not stream) if exclude_input_in_output is None else not exclude_input_in_output
-    return RequestConfig(sampling=sampling, stream=stream, include_prompt=include, tier=tier, **spec)
+    if isinstance(tier, str):
+        return RequestConfig(sampling=sampling, stream=stream, include_prompt=include, tier=tier, **spec)
+    sampling, spec = apply_tier(tier, sampling, spec)
+    return RequestConfig(sampling=sampling, stream=stream, include_prompt=include, tier=tier.name,
+                         priority=tier.priority, **spec)
+
+
+# The server's default max_tokens (SamplingParams.max_tokens), which a tier's limit may lower.
+DEFAULT_MAX_TOKENS = 16
+
+
+def apply_tier(tier: "Tier", sampling: dict[str, Any], spec: dict[str, Any]) -> tuple[dict, dict]:
+    """The request's own keys win; the tier fills the rest; what neither sets stays unset, for the
+    engine's defaults. Returns new (sampling, spec) dicts."""
+    sampling, spec = dict(sampling), dict(spec)
+    tier_spec = {"spec_method": tier.method or None, "num_draft_tokens": tier.max_draft_len,
+                 "spec_threshold": tier.spec_threshold, "draft_policy": tier.draft_policy}
+    for key, value in tier_spec.items():
+        if key not in spec and value is not None:
+            spec[key] = value
+    if tier.max_tokens is not None:
+        asked = sampling.get("max_tokens")
+        if asked is None:
+            sampling["max_tokens"] = min(DEFAULT_MAX_TOKENS, tier.max_tokens)
+        elif asked > tier.max_tokens:
+            raise BadRequest(f"sampling_parameters.max_tokens {asked} exceeds the limit {tier.max_tokens} "
+                             f"of tier {tier.name!r}")
+    return sampling, spec

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from specserve.triton.auth import sign
 from specserve.triton.params import BadRequest, RequestConfig, make_request_config
+from specserve.triton.tiers import Tier
 
 # A normalizer (NFKC, say) may map several bytes of text to fewer; this bounds that contraction.
 NORMALIZER_SLACK = 4
@@ -35,8 +36,10 @@ def max_prompt_bytes(tokenizer, max_model_len: int) -> int:
 
 
 class Preprocessor:
-    def __init__(self, checkpoint: str | Path, tier: str = "default", *, max_model_len: int | None = None,
+    def __init__(self, checkpoint: str | Path, tier: "Tier | str" = "default", *, max_model_len: int | None = None,
                  internal_key: str = ""):
+        """`tier`: a Tier (preprocess_<tier>, whose settings fill what a request leaves unset and
+        whose priority the request carries; tiers.py) or just a tier name (server defaults)."""
         from specserve.triton.tokenizer import load_tokenizer
         self.tokenizer = load_tokenizer(checkpoint)
         self.tier = tier

@@ -8,10 +8,16 @@ travel as model config parameters, because ensembles cannot carry constants (DES
       preprocess/       config.pbtxt  1/model.py
       target_verifier/  config.pbtxt  1/model.py
       postprocess/      config.pbtxt  1/model.py
-      llm/              config.pbtxt  1/            (the ensemble)
+      llm/              config.pbtxt  1/            (the ensemble; the default tier)
+    and per service tier T of a tiers file (tiers.py; names from schema.tier_*):
+      preprocess_T/     config.pbtxt  1/model.py    (preprocess, with T's settings as parameters)
+      llm_T/            config.pbtxt  1/            (ensemble: preprocess_T → target_verifier → postprocess)
     and, when drafters run remotely (placement "remote"):
       eagle_backbone/   config.pbtxt  1/model.py 1/eagle_backbone.onnx
       calibration_head/ config.pbtxt  1/model.py 1/calibration_head.onnx
+                        (--drafter-backend onnxruntime: 1/model.onnx for Triton's onnxruntime
+                         backend; tensorrt: 1/model.plan for its tensorrt backend; see
+                         drafter_backends.py)
       eagle_proposal/   config.pbtxt  1/            (ensemble: backbone → calibration head)
 """
 
@@ -25,6 +31,7 @@ from pathlib import Path
 from specserve.triton import schema
 from specserve.triton.auth import new_key
 from specserve.triton.schema import ModelSpec, TensorSpec
+from specserve.triton.tiers import Tier
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "model_repository"
 
@@ -45,6 +52,12 @@ class RepositorySettings:
     device: str = "auto"  # the engine's device: auto | cpu | cuda[:N] (factory.resolve_device)
     max_queue_len: int = 128
     draft_policy: str = "fixed"   # `specserve serve` defaults to "adaptive" (draft_policy.py)
+    # Service tiers (tiers.py): one llm_<tier> + preprocess_<tier> each; a tier named "default"
+    # sets llm's own settings.
+    tiers: tuple[Tier, ...] = ()
+    # How remote drafter models run: "python" (onnxruntime inside a Python model), or Triton's
+    # native "onnxruntime" / "tensorrt" backends where a model is stateless (drafter_backends.py).
+    drafter_backend: str = "python"
     # Signs preprocess → target_verifier and authorises internal calls (auth.py). A fresh one per
     # rendering; Triton's model-config endpoint, which would show it, is admin-only.
     internal_key: str = field(default_factory=new_key, repr=False)
@@ -69,8 +82,13 @@ def _tensors(kind: str, specs: tuple[TensorSpec, ...]) -> str:
     return f"{kind} [\n" + ",\n".join(_tensor(t, kind == "input") for t in specs) + "\n]\n"
 
 
+def _quote(value: object) -> str:
+    """A protobuf text-format string literal (a tier's settings are JSON, full of quotes)."""
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def _parameters(params: dict[str, object]) -> str:
-    return "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n'
+    return "".join(f'parameters {{ key: "{k}" value: {{ string_value: {_quote(v)} }} }}\n'
                    for k, v in params.items())
 
 
@@ -140,19 +158,44 @@ def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
     (repo / schema.ENSEMBLE.name / "1").mkdir(parents=True)
     (repo / schema.ENSEMBLE.name / "config.pbtxt").write_text(
         ensemble_config(schema.ENSEMBLE, schema.ENSEMBLE_STEPS))
+    for tier in settings.tiers:
+        render_tier(tier, params[schema.PREPROCESS.name], repo)
     if settings.placement == "remote":
         for method, folder in settings.drafters:
-            render_eagle_proposal(Path(settings.checkpoint), Path(folder), repo, version=1)
+            render_eagle_proposal(Path(settings.checkpoint), Path(folder), repo, version=1,
+                                  backend=settings.drafter_backend, max_num_seqs=settings.max_num_seqs,
+                                  max_draft_len=settings.max_draft_len)
     return repo
 
 
-def render_eagle_proposal(checkpoint: Path, drafter_dir: Path, repo: Path, *, version: int) -> None:
+def tier_parameters(preprocess_params: dict[str, object], tier: Tier) -> dict[str, object]:
+    """preprocess_<tier>'s parameters: the default preprocess's, plus the tier's settings."""
+    return {**preprocess_params, "tier": tier.name, "tier_settings": tier.to_json()}
+
+
+def render_tier(tier: Tier, preprocess_params: dict[str, object], repo: Path) -> None:
+    """preprocess_<tier> (the preprocess adapter with the tier's settings) and the llm_<tier>
+    ensemble; for the tier named "default", only preprocess's own config (llm is already there)."""
+    pre = schema.tier_preprocess(tier.name)
+    (repo / pre.name / "1").mkdir(parents=True, exist_ok=True)
+    shutil.copy2(TEMPLATES / schema.PREPROCESS.name / "1" / "model.py", repo / pre.name / "1" / "model.py")
+    (repo / pre.name / "config.pbtxt").write_text(python_model_config(pre, tier_parameters(preprocess_params, tier)))
+    ens = schema.tier_ensemble(tier.name)
+    (repo / ens.name / "1").mkdir(parents=True, exist_ok=True)
+    (repo / ens.name / "config.pbtxt").write_text(ensemble_config(ens, schema.tier_steps(tier.name)))
+
+
+def render_eagle_proposal(checkpoint: Path, drafter_dir: Path, repo: Path, *, version: int,
+                          backend: str = "python", max_num_seqs: int = 16, max_draft_len: int = 8) -> None:
     """Export the drafter to ONNX into version `version` of eagle_backbone / calibration_head and
     write their configs and the eagle_proposal ensemble. A later version (hot-loading a retrained
-    drafter) is the same call with version + 1, then `specserve drafters load eagle_proposal`."""
+    drafter) is the same call with version + 1, then `specserve drafters load eagle_proposal`.
+    `backend` (drafter_backends.py) applies to the stateless calibration head; eagle_backbone
+    is always a Python model (it holds per-sequence state)."""
     from specserve.model import load_model
     from specserve.proposers.eagle import load_eagle
     from specserve.proposers.eagle_export import export
+    from specserve.triton import drafter_backends as db
 
     target = load_model(checkpoint)
     drafter = load_eagle(drafter_dir, target)
@@ -166,10 +209,20 @@ def render_eagle_proposal(checkpoint: Path, drafter_dir: Path, repo: Path, *, ve
                                     (schema.CALIBRATION_HEAD, report.calibration, {})):
         vdir = repo / spec.name / str(version)
         vdir.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(TEMPLATES / spec.name / "1" / "model.py", vdir / "model.py")
-        shutil.move(str(onnx_file), vdir / onnx_file.name)
-        (repo / spec.name / "config.pbtxt").write_text(python_model_config(spec, params))
+        native = db.model_backend(spec.name, backend)
+        if native == "python":
+            shutil.copy2(TEMPLATES / spec.name / "1" / "model.py", vdir / "model.py")
+            shutil.move(str(onnx_file), vdir / onnx_file.name)
+            (repo / spec.name / "config.pbtxt").write_text(python_model_config(spec, params))
+            continue
+        onnx_path = vdir / db.MODEL_FILES["onnxruntime"]
+        db.export_native_calibration(drafter, onnx_path if native == "onnxruntime" else out / "native.onnx")
+        if native == "tensorrt":
+            db.build_plan(out / "native.onnx", vdir / db.MODEL_FILES["tensorrt"], c.hidden_size,
+                          max_num_seqs, max_draft_len)
+        (repo / spec.name / "config.pbtxt").write_text(
+            db.native_model_config(db.calibration_spec(c.hidden_size), native))
     shutil.rmtree(out)
-    (repo / schema.EAGLE_PROPOSAL.name / "1").mkdir(parents=True, exist_ok=True)
-    (repo / schema.EAGLE_PROPOSAL.name / "config.pbtxt").write_text(
-        ensemble_config(schema.EAGLE_PROPOSAL, schema.EAGLE_PROPOSAL_STEPS))
+    proposal, steps = schema.REMOTE_PROPOSALS[schema.EAGLE_PROPOSAL.name]
+    (repo / proposal.name / "1").mkdir(parents=True, exist_ok=True)
+    (repo / proposal.name / "config.pbtxt").write_text(ensemble_config(proposal, steps))

@@ -101,6 +101,33 @@ POSTPROCESS = ModelSpec("postprocess", (TOKEN_WINDOW, READ_OFFSET, FLUSH, RESPON
 ENSEMBLE = ModelSpec("llm", ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS)
 ENSEMBLE_STEPS = (PREPROCESS, TARGET_VERIFIER, POSTPROCESS)
 
+# -- service tiers (specserve/triton/tiers.py) --------------------------------------------------------
+# Each tier is one ensemble llm_<tier> whose first step is its own preprocess_<tier> (which carries
+# the tier's settings as model parameters); target_verifier and postprocess are shared. The default
+# tier is `llm` / `preprocess` themselves. Tier names become model names, hence the narrow alphabet.
+DEFAULT_TIER = "default"
+TIER_NAME_PATTERN = r"[a-z][a-z0-9_]{0,31}"
+
+
+def tier_preprocess(tier: str) -> ModelSpec:
+    return PREPROCESS if tier == DEFAULT_TIER else replace(PREPROCESS, name=f"{PREPROCESS.name}_{tier}")
+
+
+def tier_ensemble(tier: str) -> ModelSpec:
+    return ENSEMBLE if tier == DEFAULT_TIER else replace(ENSEMBLE, name=f"{ENSEMBLE.name}_{tier}")
+
+
+def tier_steps(tier: str) -> tuple[ModelSpec, ...]:
+    return (tier_preprocess(tier), TARGET_VERIFIER, POSTPROCESS)
+
+
+def tier_of_preprocess(model_name: str) -> str | None:
+    """The tier a preprocess model serves (None: not a preprocess model)."""
+    if model_name == PREPROCESS.name:
+        return DEFAULT_TIER
+    prefix = f"{PREPROCESS.name}_"
+    return model_name[len(prefix):] if model_name.startswith(prefix) else None
+
 
 # -- remote drafters (hot-loadable; called by target_verifier through BLS) ---------------------------
 # eagle_proposal = ensemble(eagle_backbone → calibration_head). The engine sends, per row, the
@@ -128,3 +155,9 @@ EAGLE_BACKBONE = ModelSpec("eagle_backbone", tuple(replace(t, optional=True) for
 CALIBRATION_HEAD = ModelSpec("calibration_head", (DRAFT_HIDDEN, DRAFT_SCALARS), (ACCEPT_PROB,))
 EAGLE_PROPOSAL = ModelSpec("eagle_proposal", _DRAFT_IN, (DRAFT_TOKENS, ACCEPT_PROB, UNKNOWN))
 EAGLE_PROPOSAL_STEPS = (EAGLE_BACKBONE, CALIBRATION_HEAD)
+
+# Every remote proposal model (hot-loadable through `specserve drafters`): the proposal ensemble
+# and the models it is made of, registered once here; drafters.py and the renderer derive from it.
+REMOTE_PROPOSALS: dict[str, tuple[ModelSpec, tuple[ModelSpec, ...]]] = {
+    EAGLE_PROPOSAL.name: (EAGLE_PROPOSAL, EAGLE_PROPOSAL_STEPS),
+}

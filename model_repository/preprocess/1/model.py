@@ -2,12 +2,15 @@
 
 from specserve.triton import pb, schema
 from specserve.triton.preprocess import Preprocessor
+from specserve.triton.tiers import Tier
 
 
 class TritonPythonModel:
     def initialize(self, args):
         params = pb.model_parameters(args)
-        self.pre = Preprocessor(params["checkpoint"], tier=params.get("tier", "default"),
+        # preprocess_<tier> carries its tier's settings (tiers.py); plain `preprocess` may not.
+        tier = Tier.from_json(params["tier_settings"]) if params.get("tier_settings") else params.get("tier", "default")
+        self.pre = Preprocessor(params["checkpoint"], tier=tier,
                                 max_model_len=int(params["max_model_len"]), internal_key=params["internal_key"])
 
     def execute(self, requests):
