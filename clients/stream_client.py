@@ -3,6 +3,7 @@
 
     python clients/stream_client.py "def fibonacci(n):" --max-tokens 64 --spec-method ngram
     python clients/stream_client.py "Hello" --url localhost:8001 --temperature 0.8 --seed 1
+    python clients/stream_client.py "def add(a, b):" --model llm_vip     # a service tier's ensemble
 
 Prints the text piece by piece, then the finish reason and the speculative-decoding stats.
 """
@@ -20,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("prompt")
     p.add_argument("--url", default="localhost:8001", help="the server's gRPC address")
+    p.add_argument("--model", default="llm", help="the ensemble: llm (default tier) or llm_<tier>")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -33,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         params["seed"] = args.seed
     if args.spec_method:
         params["spec_method"] = args.spec_method
-    client = StreamClient(args.url)
+    client = StreamClient(args.url, args.model)
     try:
         out = client.generate(args.prompt, params, on_chunk=lambda piece: print(piece, end="", flush=True))
     except CompletionError as e:

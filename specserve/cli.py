@@ -81,6 +81,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "(auto: CUDA when available); float32 keeps greedy output token-exact on either")
     p.add_argument("--work-dir", type=Path, default=Path("work_dirs/serve"),
                    help="where the rendered repository, backends and logs go")
+    p.add_argument("--tiers", type=Path, default=None, metavar="FILE",
+                   help="service tiers (e.g. ensemble_configs/tiers.yaml): one ensemble llm_<tier> per tier with "
+                        "its method, settings, max_tokens limit and scheduling priority; checked before the "
+                        "server starts")
+    p.add_argument("--drafter-backend", choices=("python", "onnxruntime", "tensorrt"), default="python",
+                   help="remote drafter models (--placement remote) on onnxruntime inside a Python model "
+                        "(python), or on Triton's native onnxruntime / tensorrt backend where a model is "
+                        "stateless (the calibration head; eagle_backbone keeps per-sequence state and stays "
+                        "Python). The server must have that backend (the pip tritonserver has only python)")
     p.set_defaults(run=_serve)
 
 
@@ -138,6 +147,19 @@ def resolve_drafters(target: Path, flags: list[str], disabled: bool) -> tuple[tu
     return tuple(pairs)
 
 
+def _load_tiers(path: Path | None, methods: list[str], max_draft_len: int, max_len: int) -> tuple:
+    """The validated tiers of --tiers FILE (none without it); a bad file is the user's error."""
+    from specserve.triton.factory import STATIC_METHODS
+    from specserve.triton.tiers import ServerLimits, TierError, load_tiers
+
+    if path is None:
+        return ()
+    try:
+        return load_tiers(path, ServerLimits(tuple(methods), max_draft_len, max_len, drafted=dict(STATIC_METHODS)))
+    except TierError as e:
+        raise CliError(f"--tiers {path}: {e}") from None
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -157,6 +179,12 @@ def _serve(args: argparse.Namespace) -> int:
         args.default_method = drafters[0][0] if drafters else "none"
     if args.default_method not in methods:
         raise CliError(f"--default-method {args.default_method!r} is not one of {', '.join(methods)}")
+    args.tier_list = _load_tiers(args.tiers, methods, args.max_draft_len, max_len)
+    if args.drafter_backend != "python" and args.placement != "remote":
+        raise CliError(f"--drafter-backend {args.drafter_backend} applies to remote drafter models; add "
+                       f"--placement remote (fused drafters run inside the engine)")
+    if args.drafter_backend != "python" and not drafters:
+        raise CliError(f"--drafter-backend {args.drafter_backend}: no drafter is served (--drafter METHOD=DIR)")
     if args.max_num_seqs < 1:
         raise CliError("--max-num-seqs must be at least 1")
     if args.max_queue_len < 0:
@@ -177,8 +205,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: list[str],
                 drafters: tuple[tuple[str, str], ...]) -> int:
+    from specserve.triton import drafter_backends
     from specserve.triton.auth import resolve_admin_key
-    from specserve.triton.launch import Ports, ServerStartError, TritonServer
+    from specserve.triton.launch import Ports, ServerStartError, TritonServer, prepare_backends
     from specserve.triton.render import RepositorySettings, render_repository
 
     settings = RepositorySettings(args.target, max_num_seqs=args.max_num_seqs, max_model_len=max_len,
@@ -186,8 +215,20 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
                                   default_method=args.default_method, drafters=drafters,
                                   placement=args.placement, spec_threshold=args.spec_threshold,
                                   dtype=args.dtype, drafter_dtype=args.drafter_dtype, device=args.device,
-                                  max_queue_len=args.max_queue_len, draft_policy=args.draft_policy)
-    repo = render_repository(settings, work / "model_repository")
+                                  max_queue_len=args.max_queue_len, draft_policy=args.draft_policy,
+                                  tiers=args.tier_list, drafter_backend=args.drafter_backend)
+    # The drafter backend must be one this tritonserver has: checked before the (slow) ONNX
+    # export, and every rendered config again after it.
+    try:
+        backend_dir = prepare_backends(work)
+        drafter_backends.check_available(args.drafter_backend, backend_dir)
+        repo = render_repository(settings, work / "model_repository")
+        drafter_backends.check_repository(repo, backend_dir)
+    except (ServerStartError, drafter_backends.BackendError) as e:
+        raise CliError(str(e)) from None
+    if args.drafter_backend != "python":
+        for name, why in drafter_backends.STATEFUL.items():
+            print(f"specserve: {name} stays a Python model: {why}", flush=True)
     admin_key = resolve_admin_key(args.admin_key_file, work, create=True)
     # Explicit model control, everything loaded at start: remote drafters are hot-loadable, and
     # shutdown unloads `llm` to turn the server not-ready while it drains. Model control is
@@ -210,6 +251,8 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
         print(f"specserve: ready\n"
               f"  gRPC     {server.grpc_url}   (model 'llm', streaming)\n"
               f"  HTTP     http://{server.http_url}/v2/models/llm/generate  |  /generate_stream\n"
+              + "".join(f"  tier     {t.name}: model '{_tier_model(t.name)}' ({t.method or 'server default'}, "
+                        f"priority {t.priority})\n" for t in args.tier_list) +
               f"  metrics  {server.metrics_url}\n"
               f"  Ctrl-C to stop", flush=True)
         code = supervise(server)
@@ -230,6 +273,11 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
     if code != 0:
         print(f"specserve: tritonserver exited with code {code}", file=sys.stderr)
     return code
+
+
+def _tier_model(name: str) -> str:
+    from specserve.triton.schema import tier_ensemble
+    return tier_ensemble(name).name
 
 
 # tritonserver flags `specserve serve` adds (deploy/k8s and docker-compose must agree; tests check).
@@ -377,6 +425,55 @@ def _drafters(args: argparse.Namespace) -> int:
 
 
 COMMANDS.append(_add_drafters)
+
+
+# -- tiers (live changes) ---------------------------------------------------------------------------
+def _add_tiers(sub: argparse._SubParsersAction) -> None:
+    from specserve.triton.tier_control import __doc__ as doc
+
+    p = sub.add_parser("tiers", help="list service tiers / apply a changed tiers file on a running server",
+                       description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", choices=("list", "apply"))
+    p.add_argument("file", nargs="?", type=Path, help="apply: the tiers file")
+    p.add_argument("--url", default="localhost:8001", help="the server's gRPC address")
+    p.add_argument("--admin-key-file", type=Path, default=Path("work_dirs/serve") / ADMIN_KEY_FILE,
+                   help=f"the server's admin key (default: ${ADMIN_KEY_ENV}, else this file)")
+    p.add_argument("--repository", type=Path, default=None,
+                   help="apply: the served model repository, when on this machine: the new configs are "
+                        "written there too, so a reload from disk keeps them")
+    p.set_defaults(run=_tiers)
+
+
+def _tiers(args: argparse.Namespace) -> int:
+    from specserve.triton import tier_control
+    from specserve.triton.auth import resolve_admin_key
+    from specserve.triton.tiers import TierError
+
+    key = resolve_admin_key(args.admin_key_file)
+    if key is None:
+        raise CliError(f"no admin key: set ${ADMIN_KEY_ENV} or pass --admin-key-file (the server's "
+                       f"work dir holds {ADMIN_KEY_FILE})")
+    try:
+        if args.action == "list":
+            for st in tier_control.list_tiers(args.url, key):
+                t = st.tier
+                print(f"{t.name:12s} {st.ensemble:16s} method={t.method or '(server default)'} "
+                      f"fallback={t.fallback} priority={t.priority} num_draft_tokens={t.max_draft_len} "
+                      f"spec_threshold={t.spec_threshold} draft_policy={t.draft_policy} "
+                      f"max_tokens<={t.max_tokens}")
+            return 0
+        if args.file is None:
+            raise CliError("tiers apply needs a tiers file")
+        for c in tier_control.apply(args.url, args.file, key, args.repository):
+            print(f"{c.tier}: {'changed (preprocess reloaded)' if c.changed else 'unchanged'}")
+        return 0
+    except TierError as e:
+        raise CliError(f"{args.file}: {e}") from None
+    except tier_control.TierControlError as e:
+        raise CliError(str(e)) from None
+
+
+COMMANDS.append(_add_tiers)
 
 
 # -- bench (specserve/bench/) ---------------------------------------------------------------------

@@ -21,11 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from specserve.triton import schema
 from specserve.triton.auth import grpc_headers
 
-# The models an operator may load / unload: remote proposal ensembles and their parts. The
-# engine (target_verifier) and the llm ensembles are not drafters and are refused.
-DRAFTER_MODELS = ("eagle_proposal", "eagle_backbone", "calibration_head")
+# The models an operator may load / unload: every remote proposal ensemble and its parts, as
+# registered once in schema.REMOTE_PROPOSALS. The engine (target_verifier) and the llm ensembles
+# are not drafters and are refused.
+DRAFTER_MODELS = tuple(name for proposal, steps in schema.REMOTE_PROPOSALS.values()
+                       for name in (proposal.name, *(s.name for s in steps)))
 
 
 class DrafterError(RuntimeError):
@@ -64,7 +67,7 @@ def _check_name(name: str) -> None:
 
 # An ensemble's composing models are (re)loaded before it, so a new version of either part is
 # picked up by `load eagle_proposal`.
-PARTS = {"eagle_proposal": ("eagle_backbone", "calibration_head")}
+PARTS = {proposal.name: tuple(s.name for s in steps) for proposal, steps in schema.REMOTE_PROPOSALS.values()}
 
 
 def load(url: str, name: str, admin_key: str | None = None) -> None:
@@ -87,12 +90,15 @@ def next_version(repository: Path, name: str = "eagle_backbone") -> int:
 
 def publish(target: Path, drafter: Path, repository: Path) -> int:
     """Write `drafter` as the next version of the remote EAGLE models; returns that version."""
+    from specserve.triton.drafter_backends import rendered_backend
     from specserve.triton.render import render_eagle_proposal
 
-    if not (Path(repository) / "eagle_proposal" / "config.pbtxt").is_file():
+    if not (Path(repository) / schema.EAGLE_PROPOSAL.name / "config.pbtxt").is_file():
         raise DrafterError(f"{repository} serves no remote EAGLE drafter (start it with --placement remote)")
     version = next_version(repository)
-    render_eagle_proposal(Path(target), Path(drafter), Path(repository), version=version)
+    # The new version runs on the backend the served one was rendered for.
+    backend = rendered_backend(Path(repository), schema.CALIBRATION_HEAD.name)
+    render_eagle_proposal(Path(target), Path(drafter), Path(repository), version=version, backend=backend)
     return version
 
 

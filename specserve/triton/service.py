@@ -118,7 +118,7 @@ class VerifierService:
         rid = f"{self._prefix}-{next(self._ids)}"
         req = GenerationRequest(rid, list(prompt_ids), params, config.spec_method,
                                 num_draft_tokens=config.num_draft_tokens, spec_threshold=config.spec_threshold,
-                                draft_policy=config.draft_policy)
+                                draft_policy=config.draft_policy, priority=config.priority)
         method = config.spec_method or self.engine.cfg.default_method
         num_sent = 0 if config.include_prompt else len(prompt_ids)
         stream = _Stream(rid, sender, config, method, list(prompt_ids), len(prompt_ids), num_sent)
@@ -194,7 +194,7 @@ class VerifierService:
             # error response from this (decoupled) step after streamed ones would leave the
             # ensemble request in flight in Triton 2.51, and shutdown would then hang on it.
             self._end_with_error(s, out.error or "the engine ended this request", out.finish_reason,
-                                 out.stats.to_dict())
+                                 _spec_stats(s, out))
             self._report_finish(s, out, now)
             return
         if not (s.config.stream or out.finished):
@@ -202,7 +202,7 @@ class VerifierService:
         window = make_window(s.tokens, s.num_sent, flush=out.finished)
         s.num_sent = len(s.tokens)
         meta = ResponseMeta(s.request_id, out.num_prompt_tokens, out.num_output_tokens, out.finish_reason or "",
-                            out.stats.to_dict())
+                            _spec_stats(s, out))
         response = VerifierResponse(window, meta, final=out.finished)
         if out.finished:
             s.final(s.sender.send, response)
@@ -221,7 +221,8 @@ class VerifierService:
         with self._lock:
             s = self._streams.pop(request_id, None)
         if s is not None:
-            self._end_with_error(s, f"the engine failed while running this request: {error}", "error", {})
+            self._end_with_error(s, f"the engine failed while running this request: {error}", "error",
+                                 {"tier": s.config.tier})
 
     @staticmethod
     def _end_with_error(s: _Stream, message: str, reason: str, stats: dict) -> None:
@@ -271,6 +272,11 @@ class VerifierService:
             tpot = (now - s.first_token_at) / (out.num_output_tokens - 1)
         _quietly(self.metrics.finished, s.method, s.config.tier, out.finish_reason or "abort",
                      out.num_prompt_tokens, out.num_output_tokens, tpot)
+
+
+def _spec_stats(s: _Stream, out: RequestOutput) -> dict:
+    """The engine's SpecStats plus the request's tier (spec_stats on the client's side)."""
+    return {**out.stats.to_dict(), "tier": s.config.tier}
 
 
 def _quietly(fn: Callable, *args) -> None:
