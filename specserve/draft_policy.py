@@ -6,7 +6,7 @@ either way); in a full batch the same verify multiplies the compute of every row
 can make a busy server slower than plain decoding. So the engine asks, every step, for the cap k
 on drafted tokens per row:
 
-    k* = argmax_k  Σ_r E_p(r)(k) / (c(B, 1 + w(k)) + d · w(k))        k ∈ {0, …, max_draft_len}
+    k* = argmax_k  Σ_r E_p(r)(k) / (c(B, 1 + w(k)) + D(w(k)))        k ∈ {0, …, max_draft_len}
 
 - c(B, T): seconds of a verify forward (with the LM head) of B rows × T tokens, PROFILED at
   start on this machine / GPU over a small grid (B ∈ {1, 2, 4, …, max_num_seqs}, T ∈ {1, 2, 3, 5,
@@ -19,7 +19,10 @@ on drafted tokens per row:
   below c (censored observations); positions never observed keep an optimistic prior, so the
   policy tries longer drafts where it does not know yet, and learns.
 - w(k) = min(k, the proposer's usual widest draft in a step): the drafted width the cap allows.
-- d: seconds of drafting per drafted position (moving average of the proposers' calls).
+- D(w) = a + b·w: seconds of a proposer call drafting w positions — a fixed part (an EAGLE
+  drafter ingests the rows' new features whatever it drafts) and a part per position, fitted by
+  least squares with forgetting to the proposer's measured calls. (Dividing a call's time by its
+  positions made short drafts look dear, which made the policy draft shorter still.)
 
 k = 0 (plain decoding) is always a candidate and its estimate is a measured plain step, so the
 policy drafts only where it expects a gain. Rows whose request asks for the fixed policy keep
@@ -36,7 +39,6 @@ from typing import Callable, Sequence
 POLICIES = ("adaptive", "fixed")
 PRIOR_ACCEPT = 0.9     # optimistic prior P(accept) per position, until a proposer's own steps say otherwise
 WEIGHT = 0.02          # moving-average weight of one row-step observation
-DRAFT_COST_WEIGHT = 0.2
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,45 @@ class AcceptanceModel:
                 self.drafted_at_least[i] += WEIGHT * ((1.0 if d > i else 0.0) - self.drafted_at_least[i])
 
 
+@dataclass
+class DraftCost:
+    """Seconds of one proposer call as a + b·(positions drafted), fitted to measured calls by
+    exponentially forgetting least squares."""
+    forget: float = 0.98
+    _n: float = 0.0
+    _x: float = 0.0
+    _y: float = 0.0
+    _xx: float = 0.0
+    _xy: float = 0.0
+
+    def update(self, positions: int, seconds: float) -> None:
+        f = self.forget
+        self._n, self._x, self._y = f * self._n + 1, f * self._x + positions, f * self._y + seconds
+        self._xx, self._xy = f * self._xx + positions * positions, f * self._xy + positions * seconds
+
+    def fit(self) -> tuple[float, float]:
+        """(a, b); with calls of one width only, all of it is per position (b = mean / width)."""
+        if self._n == 0:
+            return 0.0, 0.0
+        var = self._xx / self._n - (self._x / self._n) ** 2
+        if var <= 1e-9 * max(self._xx / self._n, 1.0):
+            mean_x = self._x / self._n
+            return 0.0, (self._y / self._n) / mean_x if mean_x else 0.0
+        b = (self._xy / self._n - self._x / self._n * self._y / self._n) / var
+        a = self._y / self._n - b * self._x / self._n
+        if a < 0:                       # noise: keep the model physical
+            return 0.0, self._xy / self._xx
+        if b < 0:
+            return self._y / self._n, 0.0
+        return a, b
+
+    def seconds(self, positions: float) -> float:
+        if positions <= 0:
+            return 0.0   # no call at all
+        a, b = self.fit()
+        return a + b * positions
+
+
 @dataclass(frozen=True)
 class Choice:
     k: int                      # draft cap for the adaptive rows this step
@@ -136,10 +177,11 @@ class Choice:
 
 
 def choose(table: CostTable, batch: int, adaptive: Sequence[tuple[AcceptanceModel, int]],
-           fixed: Sequence[tuple[AcceptanceModel, int]], draft_cost_per_token: float) -> Choice:
+           fixed: Sequence[tuple[AcceptanceModel, int]], draft_cost: Callable[[float], float]) -> Choice:
     """The cap k with the highest expected goodput. `adaptive`: (model, the row's own cap) of
     each adaptive row; `fixed`: (model, its fixed draft length) of rows outside the policy; the
-    rest of the batch's `batch` rows do not draft (spec_method none)."""
+    rest of the batch's `batch` rows do not draft (spec_method none). `draft_cost(w)`: seconds
+    of the proposer calls that draft w positions (0 for w = 0)."""
 
     def width(rows: Sequence[tuple[AcceptanceModel, int]], k: int | None) -> float:
         """Expected verify width − 1 forced by `rows` (capped at k when given)."""
@@ -154,12 +196,15 @@ def choose(table: CostTable, batch: int, adaptive: Sequence[tuple[AcceptanceMode
     fixed_tokens = sum(m.expected_tokens(k) for m, k in fixed)
     plain_rows = batch - len(adaptive) - len(fixed)
     max_k = max((cap for _, cap in adaptive), default=0)
+    groups: dict[tuple[int, int], list] = {}   # rows alike are counted once (this runs every step)
+    for m, cap in adaptive:
+        groups.setdefault((id(m), cap), [m, cap, 0])[2] += 1
     best: Choice | None = None
     plain = 0.0
     for k in range(max_k + 1):
         drafted = max(fixed_width, width(adaptive, k))
-        seconds = table.cost(batch, 1 + drafted) + draft_cost_per_token * drafted
-        tokens = sum(m.expected_tokens(min(k, cap)) for m, cap in adaptive) + fixed_tokens + plain_rows
+        seconds = table.cost(batch, 1 + drafted) + draft_cost(drafted)
+        tokens = sum(n * m.expected_tokens(min(k, cap)) for m, cap, n in groups.values()) + fixed_tokens + plain_rows
         g = tokens / seconds
         if k == 0:
             plain = g

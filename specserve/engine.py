@@ -31,7 +31,7 @@ from typing import Callable, Mapping
 import torch
 
 from specserve.admission import AGING_STEPS, MAX_PRIORITY, PriorityAging
-from specserve.draft_policy import DRAFT_COST_WEIGHT, POLICIES, AcceptanceModel, choose
+from specserve.draft_policy import POLICIES, AcceptanceModel, DraftCost, choose
 from specserve.kv_cache import KVCache
 from specserve.masks import build_mask
 from specserve.model import ForwardBatch, Transformer
@@ -215,7 +215,7 @@ class Engine:
             from specserve.draft_policy import profile_engine_verify
             self.cost_table = profile_engine_verify(self)
             log.info("adaptive draft policy: verify cost table (ms) %s", self.cost_table.to_dict())
-        self._draft_cost: dict[str, float] = {}   # seconds per drafted position, per proposer
+        self._draft_cost: dict[str, DraftCost] = {}   # per proposer: seconds of a call vs positions
         self._acceptance: dict[str, AcceptanceModel] = {}   # per proposer, for the adaptive policy
         self.last_policy_k: int | None = None      # the adaptive policy's last choice (metrics)
 
@@ -431,10 +431,8 @@ class Engine:
                 elapsed = time.perf_counter() - t0
                 for s in group:
                     s.stats.draft_seconds += elapsed
-                widest = max((r.max_draft_len for r in requests), default=0)
-                if widest:
-                    old = self._draft_cost.get(name, elapsed / widest)
-                    self._draft_cost[name] = old + DRAFT_COST_WEIGHT * (elapsed / widest - old)
+                self._draft_cost.setdefault(name, DraftCost()).update(
+                    max((r.max_draft_len for r in requests), default=0), elapsed)
             for s, r, d in zip(group, requests, got):
                 problem = _draft_problem(d, self.model.cfg.vocab_size)
                 if problem:
@@ -465,9 +463,8 @@ class Engine:
         if self.cost_table is None:   # a request asked for it on an engine started "fixed"
             from specserve.draft_policy import profile_engine_verify
             self.cost_table = profile_engine_verify(self)
-        names = {s.proposer.name for s in seqs if s.proposer.name != "none"}
-        draft_cost = sum(self._draft_cost.get(n, 0.0) for n in names)
-        choice = choose(self.cost_table, len(seqs), adaptive, fixed, draft_cost)
+        costs = [self._draft_cost[n] for n in {s.proposer.name for s in seqs} if n in self._draft_cost]
+        choice = choose(self.cost_table, len(seqs), adaptive, fixed, lambda w: sum(c.seconds(w) for c in costs))
         self.last_policy_k = choice.k
         for s in seqs:
             if s.proposer.name != "none" and (s.req.draft_policy or self.cfg.draft_policy) == "adaptive":

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import make_tiny_checkpoint
-from specserve.draft_policy import AcceptanceModel, CostTable, choose, grid
+from specserve.draft_policy import AcceptanceModel, CostTable, DraftCost, choose, grid
 from specserve.engine import Engine, EngineConfig, GenerationRequest
 from specserve.model import load_model
 from specserve.proposers.ngram import NgramProposer
@@ -57,17 +57,30 @@ CONFIDENT = model([0.95, 0.9, 0.85, 0.8, 0.3, 0.2, 0.1, 0.05], [1, 1, 1, 1, 0.4,
 
 
 def test_choice_drafts_long_when_verify_is_cheap_and_not_at_all_when_it_is_not():
-    one = choose(TABLE, 1, [(CONFIDENT, 8)], [], draft_cost_per_token=0.0005)
+    one = choose(TABLE, 1, [(CONFIDENT, 8)], [], draft_cost=lambda w: 0.0005 * w)
     # k = 6: 1 + 4.0 tokens; expected width 4 + 2 × 0.4 = 4.8, so c(1, 5.8) = 0.0124 s + 4.8 × 0.0005
     # (k = 8 adds 0.15 expected tokens for 0.8 more width: 5.15 / 0.0156 s is less)
     assert one.k == 6 and one.plain_goodput == 100.0
     assert one.goodput == pytest.approx(5.0 / (0.0124 + 0.0024))
     weak = model([0.3, 0.1, 0.05, 0.0], [1.0] * 4)
-    busy = choose(TABLE, 16, [(weak, 4)] * 16, [], draft_cost_per_token=0.0005)
+    busy = choose(TABLE, 16, [(weak, 4)] * 16, [], draft_cost=lambda w: 0.0005 * w)
     assert busy.k == 0 and busy.goodput == busy.plain_goodput == pytest.approx(16 / 0.020)
     # A fixed row that drafts 8 anyway makes width free for the adaptive rows.
-    beside = choose(TABLE, 16, [(CONFIDENT, 8)], [(model([0.5] * 8, [1.0] * 8), 8)], draft_cost_per_token=0.0)
+    beside = choose(TABLE, 16, [(CONFIDENT, 8)], [(model([0.5] * 8, [1.0] * 8), 8)], draft_cost=lambda w: 0.0)
     assert beside.k == 8
+
+
+def test_draft_cost_separates_the_fixed_part_of_a_call():
+    c = DraftCost()
+    assert c.seconds(3) == 0.0
+    for w, t in [(1, 0.012), (4, 0.018), (8, 0.026), (2, 0.014)] * 5:   # 10 ms per call + 2 ms per position
+        c.update(w, t)
+    a, b = c.fit()
+    assert a == pytest.approx(0.010) and b == pytest.approx(0.002)
+    assert c.seconds(0) == 0.0 and c.seconds(5) == pytest.approx(0.020)
+    one = DraftCost()
+    one.update(8, 0.024)                    # a single width: all of it per position
+    assert one.fit() == (0.0, pytest.approx(0.003))
 
 
 def test_the_cost_table_is_monotone_whatever_the_noise():
