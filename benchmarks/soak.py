@@ -117,7 +117,7 @@ def one(url: str, i: int, rng: random.Random, prompts: list[str], methods: list[
         import tritonclient.grpc as grpcclient
         client = grpcclient.InferenceServerClient(url)
         results: queue.Queue = queue.Queue()
-        client.start_stream(callback=lambda r, e: results.put((r, e)))
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
         client.async_stream_infer("llm", build_inputs(prompt, params), enable_empty_final_response=True)
         results.get(timeout=300)
         client.stop_stream(cancel_requests=True)
