@@ -1,0 +1,154 @@
+"""Service tiers through a real tritonserver: each tier's ensemble runs its method, a request's
+override beats its tier, outputs equal plain decoding, the tier's limit is enforced, and
+`tiers apply` changes a tier while 8 streams run on it without failing any."""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import yaml
+
+from conftest import make_tiny_checkpoint
+from specserve.cli import SERVE_TRITON_ARGS, main
+from specserve.model import load_model
+from specserve.proposers.eagle import save_eagle
+from specserve.tiny import train_tiny_tokenizer
+from specserve.triton import tier_control
+from specserve.triton.client import CompletionError, StreamClient
+from specserve.triton.launch import TritonServer
+from specserve.triton.render import RepositorySettings, render_repository
+from specserve.triton.tiers import Tier, TierError
+from test_eagle import random_drafter
+
+pytestmark = pytest.mark.triton
+
+PROMPTS = ["def add(a, b):\n    return", "Hello 世界! 😀 the quick", "the quick brown fox", "中文 and 🚀"]
+FAST = Tier("fast", "eagle", "ngram", 9, max_draft_len=3)
+CODE = Tier("code", "ngram", "none", 1, max_tokens=300)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiers_server")
+    ckpt = root / "ckpt"
+    ckpt.mkdir()
+    train_tiny_tokenizer(ckpt)
+    from tokenizers import Tokenizer
+    vocab = Tokenizer.from_file(str(ckpt / "tokenizer.json")).get_vocab_size()
+    make_tiny_checkpoint(ckpt, "llama", vocab_size=vocab, seed=3, max_position_embeddings=512)
+    save_eagle(random_drafter(load_model(ckpt), seed=5), json.loads((ckpt / "config.json").read_text()),
+               root / "eagle")
+    repo = render_repository(RepositorySettings(ckpt, max_num_seqs=16, max_model_len=512, max_draft_len=4,
+                                                default_method="none", drafters=(("eagle", str(root / "eagle")),),
+                                                spec_threshold=None, tiers=(FAST, CODE)),
+                             root / "model_repository")
+    srv = TritonServer(repo, root, None, log_file=root / "tritonserver.log", exit_timeout_s=5,
+                       extra_args=list(SERVE_TRITON_ARGS))
+    srv.start()
+    try:
+        srv.wait_ready(180)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def gen(srv, model, prompt, sampling, **kw):
+    return StreamClient(srv.grpc_url, model).generate(prompt, sampling, timeout=300, **kw)
+
+
+def test_each_tier_runs_its_method_a_request_override_beats_it_and_outputs_equal_none(server):
+    for p in PROMPTS:
+        plain = gen(server, "llm", p, {"max_tokens": 40})
+        assert (plain.spec_stats["method"], plain.spec_stats["tier"]) == ("none", "default")
+        fast = gen(server, "llm_fast", p, {"max_tokens": 40})
+        assert (fast.spec_stats["method"], fast.spec_stats["tier"]) == ("eagle", "fast")
+        # The tier's max_draft_len (3) caps every draft.
+        assert 0 < fast.spec_stats["draft_tokens"] <= 3 * fast.spec_stats["drafts"]
+        code = gen(server, "llm_code", p, {"max_tokens": 40})
+        assert (code.spec_stats["method"], code.spec_stats["tier"]) == ("ngram", "code")
+        override = gen(server, "llm_code", p, {"max_tokens": 40, "spec_method": "eagle", "num_draft_tokens": 4})
+        assert (override.spec_stats["method"], override.spec_stats["tier"]) == ("eagle", "code")
+        assert plain.text == fast.text == code.text == override.text, p
+
+
+def test_the_tiers_max_tokens_limit_is_enforced_by_its_ensemble_only(server):
+    with pytest.raises(CompletionError, match="sampling_parameters.max_tokens 301 exceeds the limit 300 of tier 'code'"):
+        gen(server, "llm_code", PROMPTS[0], {"max_tokens": 301})
+    assert gen(server, "llm", PROMPTS[0], {"max_tokens": 301, "ignore_eos": True}).num_output_tokens == 301
+
+
+def test_tiers_list_shows_what_each_tier_serves(server, monkeypatch, capsys):
+    monkeypatch.setenv("SPECSERVE_ADMIN_KEY", server.admin_key)
+    assert main(["tiers", "list", "--url", server.grpc_url]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "code         llm_code         method=ngram fallback=none priority=1 num_draft_tokens=None "
+        "spec_threshold=None draft_policy=None max_tokens<=300",
+        "default      llm              method=(server default) fallback=none priority=0 num_draft_tokens=None "
+        "spec_threshold=None draft_policy=None max_tokens<=None",
+        "fast         llm_fast         method=eagle fallback=ngram priority=9 num_draft_tokens=3 "
+        "spec_threshold=None draft_policy=None max_tokens<=None",
+    ]
+
+
+def test_tiers_apply_during_eight_streams_fails_nothing_and_later_requests_get_the_change(server, tmp_path):
+    max_tokens = 200
+    want = {p: gen(server, "llm", p, {"max_tokens": max_tokens}) for p in PROMPTS}
+    jobs = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    started = threading.Semaphore(0)
+
+    def run(p):
+        seen = []
+
+        def on_chunk(c):
+            if not seen:
+                seen.append(c)
+                started.release()
+        return gen(server, "llm_code", p, {"max_tokens": max_tokens}, on_chunk=on_chunk)
+
+    new = tmp_path / "tiers.yaml"
+    new.write_text(yaml.safe_dump({"tiers": [
+        {"name": "code", "method": "eagle", "fallback": "ngram", "priority": 3, "limits": {"max_tokens": 300}},
+        {"name": "fast", "method": "eagle", "fallback": "ngram", "priority": 9, "proposer": {"max_draft_len": 3}},
+    ]}))
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(run, p) for p in jobs]
+        for _ in jobs:
+            assert started.acquire(timeout=120)
+        changes = tier_control.apply(server.grpc_url, new, server.admin_key)
+        results = [f.result() for f in futures]
+    assert changes == [tier_control.Change("code", True), tier_control.Change("fast", False)]
+    for p, r in zip(jobs, results):
+        assert (r.text, r.finish_reason) == (want[p].text, want[p].finish_reason)
+        assert r.spec_stats["method"] == "ngram"     # they were past preprocess_code when it changed
+    after = gen(server, "llm_code", PROMPTS[0], {"max_tokens": 40})
+    assert (after.spec_stats["method"], after.spec_stats["tier"]) == ("eagle", "code")
+    assert after.text == want[PROMPTS[0]].text[:len(after.text)]
+    served = {st.tier.name: st.tier for st in tier_control.list_tiers(server.grpc_url, server.admin_key)}
+    assert served["code"] == Tier("code", "eagle", "ngram", 3, max_tokens=300)
+
+
+def test_tiers_apply_refuses_a_bad_or_new_tier_and_changes_nothing(server, tmp_path):
+    before = tier_control.list_tiers(server.grpc_url, server.admin_key)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"tiers": [{"name": "fast", "method": "ngram"},
+                                             {"name": "code", "method": "mtp"}]}))
+    with pytest.raises(TierError) as e:
+        tier_control.apply(server.grpc_url, bad, server.admin_key)
+    assert str(e.value) == ("tier 'code': method 'mtp' is not available on this server (not built yet); "
+                            "available here: none, ngram, eagle, dspark")
+    new = tmp_path / "new.yaml"
+    new.write_text(yaml.safe_dump({"tiers": [{"name": "fast", "method": "ngram"},
+                                             {"name": "gold", "method": "eagle"}]}))
+    with pytest.raises(TierError) as e:
+        tier_control.apply(server.grpc_url, new, server.admin_key)
+    assert str(e.value) == ("tier 'gold': this server does not serve it (no ready model preprocess_gold); a new "
+                            "tier needs a restart with `specserve serve --tiers FILE`")
+    assert tier_control.list_tiers(server.grpc_url, server.admin_key) == before
+
+
+def test_model_control_for_tiers_is_admin_only(server):
+    with pytest.raises(tier_control.TierControlError):
+        tier_control.list_tiers(server.grpc_url, None)
