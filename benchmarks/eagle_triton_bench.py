@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> dict:
               "command": " ".join(["python", "benchmarks/eagle_triton_bench.py", *(argv or sys.argv[1:])]),
               "configs": rows}
     if after and "eagle_remote" in rows:
-        # The proposal ensemble is called once per step; a sequence's release goes to
+        # The proposal ensemble is called once per step that has room to draft (a request's
+        # last step, with one token left to emit, has none); a sequence's release goes to
         # eagle_backbone alone (one tiny execution per request, counted in its compute).
         # The split uses the models' COMPUTE times, which Triton measures inside the call. Its
         # ensemble duration is reported too but not subtracted: it runs until the request is

@@ -47,7 +47,10 @@ def test_eagle_triton_bench_runs_every_configuration(tmp_path):
     # drafting, and the remote request length follows the last cut: close, not equal.
     assert rows["eagle_remote"]["mean_acceptance_length"] > 1.5
     remote = result["remote_placement"]
-    assert remote["proposal_calls"] == remote["steps"] == rows["eagle_remote"]["steps"]  # one BLS call per step
+    # One BLS call per step that has room to draft: a request's last step (one token left to
+    # emit) has none and makes no call, so up to one step per request goes without.
+    assert remote["steps"] == rows["eagle_remote"]["steps"]
+    assert remote["steps"] - 2 <= remote["proposal_calls"] <= remote["steps"]
     assert remote["proposal_calls"] > 0 and remote["drafter_models_compute_ms"] > 0
     # The models run inside the call (plus one tiny release execution per request, outside it).
     assert remote["drafter_models_compute_ms"] <= remote["proposer_call_ms"] + 0.5
