@@ -212,7 +212,6 @@ def test_a_hung_drafter_times_out_and_costs_only_speculation(setup):
     stats = [final[r.request_id].stats for r in reqs]
     # steps 3, 4, 5 decoded plainly (one timeout, two skipped calls), then drafting resumed
     assert all(s.proposer_errors == 3 for s in stats) and all(s.drafts >= s.steps - 4 for s in stats)
-    assert all(s.draft_seconds < 0.2 * 3 + 1.0 for s in stats)
 
 
 def test_remote_requests_at_most_probe_beyond_last_kept():
