@@ -152,3 +152,21 @@ def test_tiers_apply_refuses_a_bad_or_new_tier_and_changes_nothing(server, tmp_p
 def test_model_control_for_tiers_is_admin_only(server):
     with pytest.raises(tier_control.TierControlError):
         tier_control.list_tiers(server.grpc_url, None)
+
+
+def test_tiers_apply_cli_says_what_changed_and_writes_the_repository(server, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPECSERVE_ADMIN_KEY", server.admin_key)
+    served = {st.tier.name: st.tier for st in tier_control.list_tiers(server.grpc_url, server.admin_key)}
+    same = tmp_path / "same.yaml"
+    same.write_text(yaml.safe_dump({"tiers": [
+        {"name": "fast", "method": "eagle", "fallback": "ngram", "priority": 9, "proposer": {"max_draft_len": 3}},
+        {"name": "code", "method": served["code"].method, "fallback": served["code"].fallback,
+         "priority": served["code"].priority, "limits": {"max_tokens": 250}},
+    ]}))
+    repo = server.repository
+    assert main(["tiers", "apply", str(same), "--url", server.grpc_url, "--repository", str(repo)]) == 0
+    assert capsys.readouterr().out.splitlines() == ["fast: unchanged", "code: changed (preprocess reloaded)"]
+    on_disk = (repo / "preprocess_code" / "config.pbtxt").read_text()
+    assert '\\"max_tokens\\": 250' in on_disk and 'name: "preprocess_code"' in on_disk
+    with pytest.raises(CompletionError, match="exceeds the limit 250 of tier 'code'"):
+        gen(server, "llm_code", PROMPTS[0], {"max_tokens": 251})
