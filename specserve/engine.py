@@ -128,6 +128,10 @@ class GenerationRequest:
     draft_policy: str | None = None   # "adaptive" | "fixed"; None → the engine's
     # Scheduling priority from the request's tier (0..MAX_PRIORITY, higher first; admission.py).
     priority: int = 0
+    # The tier's fallback: the method the request starts on instead when, at admission, its own
+    # method's proposer says it is unavailable (a remote drafter backing off after failures).
+    # Decided once, before prefill, so no sequence ever changes proposer mid-stream.
+    fallback_method: str | None = None
 
 
 @dataclass
@@ -243,6 +247,9 @@ class Engine:
         method = req.method or self.cfg.default_method
         if method not in self.proposers:
             raise RequestRejected(f"unknown spec_method {method!r}; available: {', '.join(self.methods)}")
+        if req.fallback_method is not None and req.fallback_method not in self.proposers:
+            raise RequestRejected(f"unknown fallback method {req.fallback_method!r}; available: "
+                                  f"{', '.join(self.methods)}")
         k = req.num_draft_tokens
         if k is not None and not (isinstance(k, int) and 0 <= k <= self.cfg.max_draft_len):
             raise RequestRejected(f"num_draft_tokens must be an integer in [0, {self.cfg.max_draft_len}] "
@@ -347,6 +354,9 @@ class Engine:
             i = self._admission.pick(self._waiting, self._steps)
             seq = self._waiting[i]
             del self._waiting[i]
+            fallback = seq.req.fallback_method
+            if fallback and not getattr(seq.proposer, "available", True):
+                seq.proposer, seq.stats.method = self.proposers[fallback], fallback
             seq.slot = self.cache.allocate()
             self._running.append(seq)
             admitted.append(seq)

@@ -102,7 +102,7 @@ def test_the_tier_fills_what_the_request_leaves_unset():
     got = make_request_config(json.dumps({"temperature": 0.5}), True, None, CODE)
     assert got == RequestConfig(sampling={"temperature": 0.5, "max_tokens": 16}, spec_method="ngram",
                                 num_draft_tokens=3, spec_threshold=0.2, draft_policy="fixed", stream=True,
-                                include_prompt=False, tier="code", priority=5)
+                                include_prompt=False, tier="code", priority=5, fallback_method="none")
 
 
 def test_the_request_beats_the_tier():
@@ -112,6 +112,8 @@ def test_the_request_beats_the_tier():
     assert got == RequestConfig(sampling={"max_tokens": 100}, spec_method="eagle", num_draft_tokens=6,
                                 spec_threshold=0.0, draft_policy="adaptive", stream=False, include_prompt=True,
                                 tier="code", priority=5)
+    # The request chose its own method, so the tier's fallback (for the tier's method) is not set.
+    assert got.fallback_method is None
 
 
 def test_what_neither_sets_stays_for_the_server_default():
@@ -278,6 +280,60 @@ def test_policy_picks_the_oldest_of_equal_effective_priority():
     assert policy.pick(waiting[::2], 8) == 0   # 3 and 3: the older
     with pytest.raises(ValueError, match="aging_steps must be at least 1, got 0"):
         PriorityAging(0)
+
+
+class _Switchable:
+    """A drafter that drafts nothing, and says whether it is available (a remote one backing off
+    after failed calls is not)."""
+    name, needs_features = "eagle", False
+
+    def __init__(self, available: bool):
+        self.available = available
+
+    def propose(self, requests):
+        from specserve.proposers.base import Draft
+        assert self.available, "an unavailable proposer's request should have started on its fallback"
+        return [Draft.empty() for _ in requests]
+
+    def observe(self, outcomes):
+        pass
+
+    def release(self, seq_id):
+        pass
+
+
+def test_a_request_starts_on_its_fallback_when_its_drafter_is_unavailable(engine_ckpt):
+    from specserve.engine import Engine, EngineConfig, GenerationRequest
+    from specserve.model import load_model
+    from specserve.proposers.ngram import NgramProposer
+    from specserve.sampling import SamplingParams
+
+    drafter = _Switchable(available=False)
+    eng = Engine(load_model(engine_ckpt), EngineConfig(max_num_seqs=2, max_model_len=64),
+                 {"ngram": NgramProposer(), "eagle": drafter}, eos_token_ids=())
+
+    def run(rid, method, fallback=None):
+        req = GenerationRequest(rid, [5, 6, 7, 5, 6], SamplingParams(max_tokens=12), method, fallback_method=fallback)
+        return eng.generate([req])[rid]
+
+    plain = run("p", "none")
+    down = run("f", "eagle", "ngram")
+    assert down.stats.method == "ngram" and down.stats.draft_tokens > 0 and down.new_token_ids == plain.new_token_ids
+    drafter.available = True
+    up = run("g", "eagle", "ngram")
+    assert up.stats.method == "eagle" and up.new_token_ids == plain.new_token_ids
+
+
+def test_the_remote_proposer_is_unavailable_while_backing_off():
+    from specserve.proposers.remote import RemoteProposer
+
+    now = [100.0]
+    p = RemoteProposer("eagle", call=lambda batch: {}, clock=lambda: now[0])
+    assert p.available
+    p._retry_at = 100.5   # what a failed call sets (now + back-off)
+    assert not p.available
+    now[0] = 100.5
+    assert p.available
 
 
 def test_the_engine_refuses_a_priority_out_of_range(engine_ckpt):

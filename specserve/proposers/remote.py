@@ -79,6 +79,12 @@ class RemoteProposer:
         self._clock = clock
         self._backoff, self._retry_at = 0.0, float("-inf")
 
+    @property
+    def available(self) -> bool:
+        """False while backing off after failed calls or while a hung call is outstanding: a
+        request with a fallback method starts on that instead (Engine._admit)."""
+        return self._clock() >= self._retry_at and (self._pending is None or self._pending.done())
+
     def _batch(self, requests: list[DraftRequest], rows: list[int], *, reprime: bool) -> dict[str, np.ndarray]:
         B = len(rows)
         starts, counts, feats, nxt = [], [], [], []

@@ -51,6 +51,8 @@ class RequestConfig:
     stream: bool = False             # stream one response per engine output, or one at the end
     include_prompt: bool = False     # text_output starts with the prompt text
     tier: str = "default"
+    # The tier's fallback method (tiers.py), set when the request runs the tier's own method.
+    fallback_method: str | None = None
     # The tier's scheduling priority (tiers.py; never a client's key): higher is admitted first
     # when the engine's slots are full (specserve/admission.py).
     priority: int = 0
@@ -143,9 +145,11 @@ def make_request_config(sampling_parameters: str | bytes | None, stream: bool | 
     include = (not stream) if exclude_input_in_output is None else not exclude_input_in_output
     if isinstance(tier, str):
         return RequestConfig(sampling=sampling, stream=stream, include_prompt=include, tier=tier, **spec)
+    own_method = "spec_method" not in spec   # the request runs the tier's method, so its fallback too
     sampling, spec = apply_tier(tier, sampling, spec)
+    fallback = tier.fallback if own_method and tier.method and tier.fallback != tier.method else None
     return RequestConfig(sampling=sampling, stream=stream, include_prompt=include, tier=tier.name,
-                         priority=tier.priority, **spec)
+                         priority=tier.priority, fallback_method=fallback, **spec)
 
 
 # The server's default max_tokens (SamplingParams.max_tokens), which a tier's limit may lower.

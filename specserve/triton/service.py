@@ -118,7 +118,8 @@ class VerifierService:
         rid = f"{self._prefix}-{next(self._ids)}"
         req = GenerationRequest(rid, list(prompt_ids), params, config.spec_method,
                                 num_draft_tokens=config.num_draft_tokens, spec_threshold=config.spec_threshold,
-                                draft_policy=config.draft_policy, priority=config.priority)
+                                draft_policy=config.draft_policy, priority=config.priority,
+                                fallback_method=config.fallback_method)
         method = config.spec_method or self.engine.cfg.default_method
         num_sent = 0 if config.include_prompt else len(prompt_ids)
         stream = _Stream(rid, sender, config, method, list(prompt_ids), len(prompt_ids), num_sent)
@@ -174,6 +175,7 @@ class VerifierService:
         if s is None:
             return
         now = time.monotonic()
+        s.method = out.stats.method   # the engine's choice (a tier's fallback may replace the method)
         if out.new_token_ids and s.first_token_at is None:
             s.first_token_at = now
             if self.metrics is not None:

@@ -5,7 +5,7 @@ is tier_control.py's.
     tiers:
       - name: vip                 # → ensemble llm_vip, first step preprocess_vip
         method: dspark            # the tier's speculation method
-        fallback: eagle           # validated and carried (see `Tier.fallback`)
+        fallback: eagle           # used when the method's drafter is unavailable (Tier.fallback)
         priority: 9               # 0..9, higher is admitted first when the engine's slots are full
         proposer:
           max_draft_len: 6        # → the request's num_draft_tokens
@@ -69,9 +69,9 @@ class ServerLimits:
 class Tier:
     name: str
     method: str
-    # The tier's second choice. Validated like `method` and carried in the tier's parameters;
-    # the engine does not switch to it yet (a row whose drafter is unavailable decodes plainly
-    # that step, whatever its tier).
+    # The tier's second choice: a request that runs the tier's method starts on this one instead
+    # when, at admission, the method's proposer is unavailable (a remote drafter backing off
+    # after failed calls; Engine._admit). Never switched mid-stream.
     fallback: str = "none"
     priority: int = 0
     max_draft_len: int | None = None      # → num_draft_tokens
