@@ -204,7 +204,9 @@ def main(argv: list[str] | None = None) -> dict:
     for c in configs:
         same = sum(a == b for a, b in zip(tallies[c].texts, base.texts))
         rows[c]["identical_to_none"] = f"{same}/{len(base.texts)}"
-    result = {"target": str(args.target), "drafter": str(args.drafter), "prompts": len(prompts),
+    from specserve.paths import shown
+
+    result = {"target": shown(args.target), "drafter": shown(args.drafter), "prompts": len(prompts),
               "new_tokens": args.new_tokens, "threshold": args.threshold, "dtype": args.dtype, "max_draft_len": args.max_draft_len,
               "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
               "command": " ".join(["python", "benchmarks/eagle_triton_bench.py", *(argv or sys.argv[1:])]),

@@ -119,7 +119,7 @@ def build_manifest(root: Path | None = None) -> dict:
     return {
         "description": "Python stdlib .py sources + pydoc_data/topics.py prose; see export/corpus.py",
         "python": sys.version.split()[0],
-        "stdlib": str(root),
+        "stdlib": f"<python {sys.version_info.major}.{sys.version_info.minor} stdlib>",  # no machine path
         "heldout_fraction": HELDOUT_FRACTION,
         "split_salt": SPLIT_SALT,
         "topics_file": {"path": TOPICS_FILE, "bytes": len(topics_bytes), "sha256": _sha256(topics_bytes)},

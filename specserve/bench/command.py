@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from specserve.bench.fallback import DEMO_TARGET, has_weights, random_checkpoint
+from specserve.paths import shown
 
 # --quick: sized for a 2-core CPU shared with other work, so `make bench` ends within ~15 min.
 QUICK = {"num_requests": 20, "output_range": "32,256", "concurrency": "4", "request_rate": "0.2,0.6",
@@ -136,7 +137,7 @@ def _server(args: argparse.Namespace, checkpoint: Path | None, max_len: int, out
         try:
             server.start()
             server.wait_ready(300)
-            yield server.grpc_url, [f"{m}={Path(f).resolve()}" for m, f in drafters]
+            yield server.grpc_url, [f"{m}={shown(f)}" for m, f in drafters]
         finally:
             server.stop()
     finally:
@@ -227,7 +228,7 @@ def run(args: argparse.Namespace) -> dict:
         "command": _command_line(args),
         "wall_s": time.perf_counter() - t_start,
         "machine": {**machine, "load_average_1m_end": os.getloadavg()[0]},
-        "model": {"path": str(checkpoint or args.url), "kind": kind, "max_model_len": max_len},
+        "model": {"path": shown(checkpoint) if checkpoint else str(args.url), "kind": kind, "max_model_len": max_len},
         "server": {"url": url, "model": args.model, "started_by_bench": not args.url,
                    "max_num_seqs": None if args.url else args.max_num_seqs, "drafters": drafters},
         "workload": {**describe(requests, plans, cfg["output_range"], args.seed), "sources": source_note,

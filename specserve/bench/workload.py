@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from specserve.paths import shown
+
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PROMPTS = REPO / "models" / "demo" / "heldout_prompts.jsonl"
 
@@ -202,4 +204,4 @@ def text_source(tokenizer, prompts_file: Path | None) -> tuple[TextSource, dict]
     encode = lambda s: tokenizer.encode(s).ids  # noqa: E731
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     return TextSource(prompts, documents, encode, decode), {
-        "short_prompts": str(path) if prompts else "none", "long_text": long_text}
+        "short_prompts": shown(path) if prompts else "none", "long_text": long_text}
