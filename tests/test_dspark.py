@@ -17,8 +17,8 @@ from specserve.engine import Engine, EngineConfig, GenerationRequest
 from specserve.model import load_model
 from specserve.proposers.dspark import DSParkProposer, StepKey, draft_lengths
 from specserve.proposers.eagle import EagleProposer, load_eagle
-from specserve.sampling import SamplingParams, target_probs
-from test_eagle import random_drafter
+from specserve.sampling import SamplingParams
+from test_eagle import random_drafter, two_token_joint_tv
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "demo"
@@ -93,32 +93,10 @@ def test_seeded_sampled_request_repeats(target):
 def test_sampled_dspark_follows_target_distribution(tmp_path):
     """Joint of generated tokens 2 and 3 (drafted and verified in one step) vs the exact target,
     as test_eagle does for the dynamic path."""
-    path = make_tiny_checkpoint(tmp_path / "small", "llama", vocab_size=8, seed=5)
-    target = load_model(path)
-    params = dict(temperature=1.0, top_k=6)
-    prompt = [1, 3, 5]
+    target = load_model(make_tiny_checkpoint(tmp_path / "small", "llama", vocab_size=8, seed=5))
     engine = engine_with(target, random_drafter(target, seed=2, calibration=False), threshold=None,
                          max_num_seqs=64, max_draft_len=2)
-    n = 3000
-    outs = engine.generate([GenerationRequest(str(i), prompt, SamplingParams(max_tokens=4, seed=i, **params),
-                                              "dspark") for i in range(n)])
-    counts = torch.zeros(8, 8)
-    for o in outs.values():
-        counts[o.new_token_ids[1], o.new_token_ids[2]] += 1
-    assert all(o.stats.draft_tokens >= 2 for o in outs.values())
-    sp = SamplingParams(**params)
-    with torch.inference_mode():
-        p1 = target_probs(target.score(torch.tensor([prompt]))[0, -1:], sp)[0]
-        exact = torch.zeros(8, 8)
-        for a in range(8):
-            if p1[a] == 0:
-                continue
-            p2 = target_probs(target.score(torch.tensor([prompt + [a]]))[0, -1:], sp)[0]
-            for b in range(8):
-                if p2[b] > 0:
-                    p3 = target_probs(target.score(torch.tensor([prompt + [a, b]]))[0, -1:], sp)[0]
-                    exact[b] += float(p1[a]) * float(p2[b]) * p3
-    tv = 0.5 * (counts / n - exact).abs().sum().item()
+    tv = two_token_joint_tv(target, engine, "dspark")
     assert tv < 0.06, f"total variation {tv:.4f}"
 
 

@@ -59,17 +59,13 @@ def test_greedy_eagle_equals_plain_decoding(target_path, threshold):
     assert engine.num_free_slots == 4 and engine.proposers["eagle"].cache.num_free == 4
 
 
-def test_sampled_eagle_follows_target_distribution(tmp_path):
-    """Joint of generated tokens 2 and 3 (drafted and verified in one step) vs the exact target."""
-    path = make_tiny_checkpoint(tmp_path / "small", "llama", vocab_size=8, seed=5)
-    target = load_model(path)
-    drafter = random_drafter(target, seed=2, calibration=False)
+def two_token_joint_tv(target, engine, method: str, n: int = 3000) -> float:
+    """Total variation between the generated joint of tokens 2 and 3 (drafted and verified in one
+    step) and the exact target joint, over n seeded requests of `method` on `target` (vocab 8)."""
     params = dict(temperature=1.0, top_k=6)
     prompt = [1, 3, 5]
-    engine = engine_with(target, drafter, threshold=None, max_num_seqs=64, max_draft_len=2)
-    n = 3000
     outs = engine.generate([GenerationRequest(str(i), prompt, SamplingParams(max_tokens=4, seed=i, **params),
-                                              "eagle") for i in range(n)])
+                                              method) for i in range(n)])
     counts = torch.zeros(8, 8)
     for o in outs.values():
         counts[o.new_token_ids[1], o.new_token_ids[2]] += 1
@@ -90,7 +86,15 @@ def test_sampled_eagle_follows_target_distribution(tmp_path):
                     continue
                 p3 = target_probs(target.score(torch.tensor([prompt + [a, b]]))[0, -1:], sp)[0]
                 exact[b] += pa * float(p2[b]) * p3
-    tv = 0.5 * (counts / n - exact).abs().sum().item()
+    return 0.5 * (counts / n - exact).abs().sum().item()
+
+
+def test_sampled_eagle_follows_target_distribution(tmp_path):
+    """Joint of generated tokens 2 and 3 (drafted and verified in one step) vs the exact target."""
+    target = load_model(make_tiny_checkpoint(tmp_path / "small", "llama", vocab_size=8, seed=5))
+    engine = engine_with(target, random_drafter(target, seed=2, calibration=False), threshold=None,
+                         max_num_seqs=64, max_draft_len=2)
+    tv = two_token_joint_tv(target, engine, "eagle")
     assert tv < 0.06, f"total variation {tv:.4f}"
 
 

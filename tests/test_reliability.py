@@ -10,11 +10,11 @@ still in flight while the test does the next thing, and every wait is for an eve
 from __future__ import annotations
 
 import queue
-import re
 import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +27,7 @@ from specserve.tiny import train_tiny_tokenizer
 from specserve.triton.client import CompletionError, StreamClient, build_inputs
 from specserve.triton.launch import Ports, TritonServer
 from specserve.triton.render import RepositorySettings, render_repository
+from streams import during_streams, scrape_metrics
 
 pytestmark = pytest.mark.triton
 
@@ -57,18 +58,11 @@ def server(ckpt, tmp_path_factory):
         srv.stop()
 
 
-def metrics(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(specserve_\S+) (\S+)$", text, re.MULTILINE)}
-
-
 def wait_for_gauges(url: str, want: dict[str, float], timeout: float = 60.0) -> dict[str, float]:
     """Until every gauge in `want` reads its value (they are reported asynchronously)."""
-    import time
     deadline = time.monotonic() + timeout
     while True:
-        now = metrics(url)
+        now = scrape_metrics(url)
         if all(now.get(k) == v for k, v in want.items()):
             return now
         assert time.monotonic() < deadline, f"gauges {want} never reached: {now}"
@@ -77,29 +71,6 @@ def wait_for_gauges(url: str, want: dict[str, float], timeout: float = 60.0) -> 
 
 def gen(url: str, prompt: str, params: dict, **kw):
     return StreamClient(url).generate(prompt, params, **kw)
-
-
-class Streaming:
-    """Counts streams that have received their first chunk; `wait(n)` until n have. Its callback
-    never blocks (a blocked callback would stall that client's stream)."""
-
-    def __init__(self):
-        self._n, self._cond = 0, threading.Condition()
-
-    def on_first_chunk(self):
-        seen = []
-
-        def callback(chunk):
-            if not seen:
-                seen.append(chunk)
-                with self._cond:
-                    self._n += 1
-                    self._cond.notify_all()
-        return callback
-
-    def wait(self, n: int, timeout: float = 120) -> None:
-        with self._cond:
-            assert self._cond.wait_for(lambda: self._n >= n, timeout), f"only {self._n} of {n} streams started"
 
 
 def test_64_concurrent_streams_with_mixed_methods_each_equal_their_solo_none_output(server):
@@ -151,18 +122,14 @@ def test_cancelling_half_of_16_streams_frees_their_slots(server):
 def test_a_nan_temperature_request_beside_four_streams_fails_alone(server):
     prompts = [f"neighbour {i}" for i in range(4)]
     want = {p: gen(server.grpc_url, p, {"max_tokens": 300}).text for p in prompts}
-    streaming = Streaming()
 
-    def run(p):
-        return StreamClient(server.grpc_url).generate(p, {"max_tokens": 300},
-                                                      on_chunk=streaming.on_first_chunk()).text
-
-    with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(run, p) for p in prompts]
-        streaming.wait(4)   # all four are streaming
+    def bad_request():
         with pytest.raises(CompletionError, match=r"temperature must be a finite number >= 0, got nan"):
             StreamClient(server.grpc_url).generate("bad", '{"temperature": NaN, "max_tokens": 50}')
-        got = [f.result() for f in futures]
+
+    results, _ = during_streams(lambda p, on_chunk: StreamClient(server.grpc_url).generate(
+        p, {"max_tokens": 300}, on_chunk=on_chunk), prompts, bad_request)   # once all four are streaming
+    got = [r.text for r in results]
     assert got == [want[p] for p in prompts]
 
 
@@ -219,26 +186,18 @@ def test_overload_is_refused_at_once_and_sigterm_drains_streams_to_their_end(ckp
     try:
         prompts = [f"drain {i}" for i in range(4)]
         want = {p: gen(served.grpc_url, p, {"max_tokens": LONG}, timeout=300) for p in prompts}
-        streaming = Streaming()
+        metrics_url = f"http://localhost:{served.ports.metrics}/metrics"
 
-        def run(p):
-            return StreamClient(served.grpc_url).generate(p, {"max_tokens": LONG}, timeout=300,
-                                                          on_chunk=streaming.on_first_chunk())
-
-        with ThreadPoolExecutor(4) as pool:
-            futures = [pool.submit(run, p) for p in prompts]
-            streaming.wait(2)   # two are streaming; the other two hold the queue's 2 places
-            wait_for_gauges(f"http://localhost:{served.ports.metrics}/metrics",
-                            {"specserve_num_requests_running": 2, "specserve_num_requests_waiting": 2})
+        def overload_then_sigterm():
+            # Two are streaming; the other two hold the queue's 2 places.
+            wait_for_gauges(metrics_url, {"specserve_num_requests_running": 2, "specserve_num_requests_waiting": 2})
             for _ in range(2):
                 with pytest.raises(CompletionError, match=r"server busy: 2 requests are already waiting for one "
                                                           r"of 2 slots \(max_queue_len=2\); retry later"):
                     gen(served.grpc_url, "one too many", {"max_tokens": 4})
-            refused = metrics(f"http://localhost:{served.ports.metrics}/metrics")
-            assert refused['specserve_request_rejected_total{reason="busy"}'] == 2
+            assert scrape_metrics(metrics_url)['specserve_request_rejected_total{reason="busy"}'] == 2
 
             served.proc.send_signal(signal.SIGTERM)
-            import time
             deadline = time.monotonic() + 60
             while served.ready() == 200:   # not ready as soon as the drain starts
                 assert time.monotonic() < deadline, "still ready after SIGTERM"
@@ -246,7 +205,9 @@ def test_overload_is_refused_at_once_and_sigterm_drains_streams_to_their_end(ckp
             with pytest.raises(CompletionError) as err:
                 gen(served.grpc_url, "too late", {"max_tokens": 4}, timeout=30)
             assert any(m in str(err.value) for m in REFUSED_AFTER_SIGTERM), str(err.value)
-            got = [f.result() for f in futures]
+
+        got, _ = during_streams(lambda p, on_chunk: StreamClient(served.grpc_url).generate(
+            p, {"max_tokens": LONG}, timeout=300, on_chunk=on_chunk), prompts, overload_then_sigterm, started=2)
         for p, g in zip(prompts, got):   # every in-flight stream ran to its end, unchanged
             assert (g.text, g.num_output_tokens, g.finish_reason) == (want[p].text, LONG, "length")
         assert served.proc.wait(90) == 0, "".join(served.lines[-40:])
@@ -257,8 +218,6 @@ def test_overload_is_refused_at_once_and_sigterm_drains_streams_to_their_end(ckp
 
 
 def test_a_lost_engine_model_is_reloaded_and_sigterm_ends_what_outlives_the_drain_time(ckpt, tmp_path):
-    import time
-
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 

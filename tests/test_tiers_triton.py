@@ -5,8 +5,6 @@ override beats its tier, outputs equal plain decoding, the tier's limit is enfor
 from __future__ import annotations
 
 import json
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import yaml
@@ -21,6 +19,7 @@ from specserve.triton.client import CompletionError, StreamClient
 from specserve.triton.launch import TritonServer
 from specserve.triton.render import RepositorySettings, render_repository
 from specserve.triton.tiers import Tier, TierError
+from streams import during_streams
 from test_eagle import random_drafter
 
 pytestmark = pytest.mark.triton
@@ -97,28 +96,14 @@ def test_tiers_apply_during_eight_streams_fails_nothing_and_later_requests_get_t
     max_tokens = 200
     want = {p: gen(server, "llm", p, {"max_tokens": max_tokens}) for p in PROMPTS}
     jobs = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
-    started = threading.Semaphore(0)
-
-    def run(p):
-        seen = []
-
-        def on_chunk(c):
-            if not seen:
-                seen.append(c)
-                started.release()
-        return gen(server, "llm_code", p, {"max_tokens": max_tokens}, on_chunk=on_chunk)
-
     new = tmp_path / "tiers.yaml"
     new.write_text(yaml.safe_dump({"tiers": [
         {"name": "code", "method": "eagle", "fallback": "ngram", "priority": 3, "limits": {"max_tokens": 300}},
         {"name": "fast", "method": "eagle", "fallback": "ngram", "priority": 9, "proposer": {"max_draft_len": 3}},
     ]}))
-    with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(run, p) for p in jobs]
-        for _ in jobs:
-            assert started.acquire(timeout=120)
-        changes = tier_control.apply(server.grpc_url, new, server.admin_key)
-        results = [f.result() for f in futures]
+    results, changes = during_streams(
+        lambda p, on_chunk: gen(server, "llm_code", p, {"max_tokens": max_tokens}, on_chunk=on_chunk), jobs,
+        lambda: tier_control.apply(server.grpc_url, new, server.admin_key))
     assert changes == [tier_control.Change("code", True), tier_control.Change("fast", False)]
     for p, r in zip(jobs, results):
         assert (r.text, r.finish_reason) == (want[p].text, want[p].finish_reason)

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,8 +19,9 @@ from specserve.proposers.eagle import save_eagle
 from specserve.tiny import train_tiny_tokenizer
 from specserve.triton import drafters
 from specserve.triton.client import StreamClient
-from specserve.triton.launch import Ports, TritonServer
+from specserve.triton.launch import TritonServer
 from specserve.triton.render import RepositorySettings, render_repository
+from streams import during_streams
 from test_eagle import random_drafter
 
 pytestmark = pytest.mark.triton
@@ -138,24 +138,8 @@ def _eight_streams_exact(server, fault, max_tokens=200):
     Returns the streams' total proposer errors."""
     want = {p: gen(server, p, "none", max_tokens) for p in PROMPTS}
     jobs = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
-    started = threading.Semaphore(0)
-
-    def run(p):
-        seen = []
-
-        def on_chunk(c):
-            if not seen:
-                seen.append(c)
-                started.release()
-        return StreamClient(server.grpc_url).generate(p, {"max_tokens": max_tokens, "spec_method": "eagle"},
-                                                      on_chunk=on_chunk, timeout=300)
-
-    with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(run, p) for p in jobs]
-        for _ in jobs:
-            assert started.acquire(timeout=120)
-        fault()
-        results = [f.result() for f in futures]
+    results, _ = during_streams(lambda p, on_chunk: StreamClient(server.grpc_url).generate(
+        p, {"max_tokens": max_tokens, "spec_method": "eagle"}, on_chunk=on_chunk, timeout=300), jobs, fault)
     for p, r in zip(jobs, results):
         assert (r.text, r.finish_reason) == (want[p].text, want[p].finish_reason)
     return sum(r.spec_stats["proposer_errors"] for r in results)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import queue
-import re
 import socket
 import subprocess
 import sys
@@ -26,9 +25,10 @@ import torch
 
 from conftest import make_tiny_checkpoint
 from specserve.triton.client import CompletionError, StreamClient, build_inputs
-from specserve.triton.launch import Ports, TritonServer
+from specserve.triton.launch import TritonServer
 from specserve.triton.render import RepositorySettings, render_repository
 from specserve.tiny import train_tiny_tokenizer
+from streams import scrape_metrics
 
 pytestmark = pytest.mark.triton
 
@@ -62,10 +62,7 @@ class Deployment:
         return StreamClient(self.server.grpc_url)
 
     def metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(self.server.metrics_url, timeout=10) as r:
-            text = r.read().decode()
-        return {m.group(1): float(m.group(2))
-                for m in re.finditer(r"^(specserve_\S+) (\S+)$", text, re.MULTILINE)}
+        return scrape_metrics(self.server.metrics_url)
 
     def settled_metrics(self, timeout: float = 10.0) -> dict[str, float]:
         """Metrics once two scrapes 0.3 s apart agree (reports are queued in the server)."""

@@ -1,0 +1,54 @@
+"""Helpers for tests that act on a server while streams are in flight, and read its metrics."""
+
+from __future__ import annotations
+
+import re
+import threading
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence, TypeVar
+
+T = TypeVar("T")
+
+
+class FirstChunks:
+    """Counts streams that have received their first chunk; `wait(n)` until n have. Its callback
+    never blocks (a blocked callback would stall that client's stream)."""
+
+    def __init__(self):
+        self._n, self._cond = 0, threading.Condition()
+
+    def on_first_chunk(self) -> Callable[[str], None]:
+        seen = []
+
+        def callback(chunk):
+            if not seen:
+                seen.append(chunk)
+                with self._cond:
+                    self._n += 1
+                    self._cond.notify_all()
+        return callback
+
+    def wait(self, n: int, timeout: float = 120) -> None:
+        with self._cond:
+            assert self._cond.wait_for(lambda: self._n >= n, timeout), f"only {self._n} of {n} streams started"
+
+
+def during_streams(stream: Callable[[object, Callable[[str], None]], T], jobs: Sequence,
+                   action: Callable[[], object], started: int | None = None) -> tuple[list[T], object]:
+    """Run `stream(job, on_chunk)` for every job at once; when `started` of them (default: all)
+    have streamed a chunk, call `action()`. Returns the streams' results in job order and what
+    `action` returned."""
+    first = FirstChunks()
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(stream, job, first.on_first_chunk()) for job in jobs]
+        first.wait(len(jobs) if started is None else started)
+        done = action()
+        return [f.result() for f in futures], done
+
+
+def scrape_metrics(url: str) -> dict[str, float]:
+    """The server's specserve_* metrics: {name with labels: value}."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(specserve_\S+) (\S+)$", text, re.MULTILINE)}
