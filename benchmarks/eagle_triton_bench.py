@@ -109,7 +109,7 @@ def model_stats(client, model: str) -> dict[str, int]:
 
 
 def start_server(target: Path, drafter: Path, placement: str, work: Path, args):
-    from specserve.triton.launch import Ports, TritonServer
+    from specserve.triton.launch import TritonServer
     from specserve.triton.render import RepositorySettings, render_repository
 
     run_dir = work / placement

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from specserve.cli import CliError, check_checkpoint, resolve_drafters
     from specserve.triton.client import StreamClient
-    from specserve.triton.launch import Ports, ServerStartError, TritonServer
+    from specserve.triton.launch import ServerStartError, TritonServer
     from specserve.triton.render import RepositorySettings, render_repository
 
     WORK.mkdir(parents=True, exist_ok=True)

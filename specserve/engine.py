@@ -267,8 +267,11 @@ class Engine:
         if req.request_id in self._by_id:
             raise RequestRejected(f"request id {req.request_id!r} is already running")
 
-    def submit(self, req: GenerationRequest) -> None:
-        self.check(req)
+    def submit(self, req: GenerationRequest, *, checked: bool = False) -> None:
+        """Queue `req`; `checked`: the caller already ran check() on it (the EngineLoop does, in
+        the client's thread) and it need not run again."""
+        if not checked:
+            self.check(req)
         method = req.method or self.cfg.default_method
         seq = _Sequence(seq_id=next(self._ids), req=req, proposer=self.proposers[method],
                         generator=None if req.params.greedy else make_generator(req.params, self.model.device),

@@ -155,8 +155,8 @@ class EngineLoop:
         for kind, item in inbox:
             if kind == "submit":
                 try:
-                    self.engine.submit(item)
-                except Exception as e:  # noqa: BLE001 — checked in submit(); only a race gets here
+                    self.engine.submit(item, checked=True)
+                except Exception as e:  # noqa: BLE001 — checked in submit(); only a bug gets here
                     rejected.append((item.request_id, e))
             else:
                 rid, error = item

@@ -118,7 +118,7 @@ def _server(args: argparse.Namespace, checkpoint: Path | None, max_len: int, out
         yield args.url, None
         return
     from specserve.cli import CliError, resolve_drafters
-    from specserve.triton.launch import Ports, TritonServer
+    from specserve.triton.launch import TritonServer
     from specserve.triton.render import RepositorySettings, render_repository
 
     try:

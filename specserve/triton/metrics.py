@@ -64,6 +64,8 @@ class TritonMetrics:
                                for key, (name, desc) in _GAUGES.items()})
         self._buckets = {key: b for key, (_, _, b) in _HISTOGRAMS.items()}
         self._metrics: dict[tuple, Any] = {}
+        self._gauges: dict[str, int] = {}   # last value sent per gauge
+        self._gauges_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="specserve-metrics", daemon=True)
         self._thread.start()
@@ -91,10 +93,13 @@ class TritonMetrics:
             self._queue.put(("tpot", labels, "observe", time_per_output_token))
 
     def state(self, running: int, waiting: int, slots_used: int, policy_draft_len: int | None) -> None:
+        # Reported after every engine step: only changes go out (each set is an IPC call).
         for key, n in (("running", running), ("waiting", waiting), ("slots_used", slots_used),
                        ("policy_draft_len", policy_draft_len)):
-            if n is not None:
-                self._queue.put((key, {}, "set", n))
+            with self._gauges_lock:   # the engine thread and submitting threads both report
+                if n is not None and self._gauges.get(key) != n:
+                    self._gauges[key] = n
+                    self._queue.put((key, {}, "set", n))
 
     def rejected(self, reason: str) -> None:
         self._inc("rejected", {"reason": reason}, 1)
