@@ -58,8 +58,9 @@ def server(ckpt, tmp_path_factory):
         srv.stop()
 
 
-def wait_for_gauges(url: str, want: dict[str, float], timeout: float = 60.0) -> dict[str, float]:
-    """Until every gauge in `want` reads its value (they are reported asynchronously)."""
+def wait_for_metrics(url: str, want: dict[str, float], timeout: float = 60.0) -> dict[str, float]:
+    """Until every metric in `want` reads its value (they are reported asynchronously, from a
+    worker thread, so a read right after the event may not show it yet)."""
     deadline = time.monotonic() + timeout
     while True:
         now = scrape_metrics(url)
@@ -111,12 +112,12 @@ def test_cancelling_half_of_16_streams_frees_their_slots(server):
                 if result.get_response().parameters["triton_final_response"].bool_param:
                     break
             client.stop_stream()
-    wait_for_gauges(server.metrics_url, {"specserve_num_requests_running": 0, "specserve_num_slots_used": 0,
+    wait_for_metrics(server.metrics_url, {"specserve_num_requests_running": 0, "specserve_num_slots_used": 0,
                                          "specserve_num_requests_waiting": 0})
     with ThreadPoolExecutor(16) as pool:
         outs = list(pool.map(lambda i: gen(server.grpc_url, f"after {i}", {"max_tokens": 8}), range(16)))
     assert all(o.num_output_tokens == 8 and o.finish_reason == "length" for o in outs)
-    wait_for_gauges(server.metrics_url, {"specserve_num_requests_running": 0, "specserve_num_slots_used": 0})
+    wait_for_metrics(server.metrics_url, {"specserve_num_requests_running": 0, "specserve_num_slots_used": 0})
 
 
 def test_a_nan_temperature_request_beside_four_streams_fails_alone(server):
@@ -190,12 +191,12 @@ def test_overload_is_refused_at_once_and_sigterm_drains_streams_to_their_end(ckp
 
         def overload_then_sigterm():
             # Two are streaming; the other two hold the queue's 2 places.
-            wait_for_gauges(metrics_url, {"specserve_num_requests_running": 2, "specserve_num_requests_waiting": 2})
+            wait_for_metrics(metrics_url, {"specserve_num_requests_running": 2, "specserve_num_requests_waiting": 2})
             for _ in range(2):
                 with pytest.raises(CompletionError, match=r"server busy: 2 requests are already waiting for one "
                                                           r"of 2 slots \(max_queue_len=2\); retry later"):
                     gen(served.grpc_url, "one too many", {"max_tokens": 4})
-            assert scrape_metrics(metrics_url)['specserve_request_rejected_total{reason="busy"}'] == 2
+            wait_for_metrics(metrics_url, {'specserve_request_rejected_total{reason="busy"}': 2})
 
             served.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + 60
