@@ -85,12 +85,52 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="service tiers (e.g. ensemble_configs/tiers.yaml): one ensemble llm_<tier> per tier with "
                         "its method, settings, max_tokens limit and scheduling priority; checked before the "
                         "server starts")
+    _add_text_gate(p)
     p.add_argument("--drafter-backend", choices=("python", "onnxruntime", "tensorrt"), default="python",
                    help="remote drafter models (--placement remote) on onnxruntime inside a Python model "
                         "(python), or on Triton's native onnxruntime / tensorrt backend where a model is "
                         "stateless (the calibration head; eagle_backbone keeps per-sequence state and stays "
                         "Python). The server must have that backend (the pip tritonserver has only python)")
     p.set_defaults(run=_serve)
+
+
+def _add_text_gate(p: argparse.ArgumentParser) -> None:
+    from specserve.text_gate import DEFAULT_DFLASH_TYPES, TEXT_TYPES
+
+    p.add_argument("--text-classifier", type=Path, default=None, metavar="DIR",
+                   help="text-type gate for dflash requests (specserve/text_gate.py): a classifier folder "
+                        "(model.onnx + config.json), served as the hot-loadable model text_classifier; without "
+                        "it, a folder 'text_classifier' beside the target is used when dflash is served")
+    p.add_argument("--no-text-gate", action="store_true", help="no text-type gate: dflash runs for every text")
+    p.add_argument("--dflash-text-types", default=",".join(DEFAULT_DFLASH_TYPES), metavar="TYPES",
+                   help=f"comma list of the text types ({', '.join(TEXT_TYPES)}) whose dflash requests keep "
+                        f"dflash; the others run their fallback (spec_fallback, else the tier's fallback, else "
+                        f"ngram). A tier's proposer.dflash_text_types overrides it (default: %(default)s)")
+
+
+def resolve_text_classifier(target: Path, flag: Path | None, disabled: bool, methods: list[str]) -> str | None:
+    """The classifier folder of the text-type gate: --text-classifier, else one beside the target
+    when the gated method is served; None with --no-text-gate."""
+    from specserve.text_gate import GateError, ClassifierConfig
+    from specserve.triton.factory import GATED_METHOD
+
+    if disabled:
+        if flag is not None:
+            raise CliError("--text-classifier and --no-text-gate contradict each other")
+        return None
+    if flag is None:
+        beside = target.resolve().parent / "text_classifier"
+        if GATED_METHOD not in methods or not (beside / "config.json").is_file():
+            return None
+        flag = beside
+    elif GATED_METHOD not in methods:
+        raise CliError(f"--text-classifier gates {GATED_METHOD} requests, and this server does not serve "
+                       f"{GATED_METHOD}; served: {', '.join(methods)}")
+    try:
+        ClassifierConfig.load(flag)
+    except GateError as e:
+        raise CliError(f"--text-classifier: {e}") from None
+    return str(flag)
 
 
 def _check_port(port: int, flag: str) -> None:
@@ -180,6 +220,13 @@ def _serve(args: argparse.Namespace) -> int:
     if args.default_method not in methods:
         raise CliError(f"--default-method {args.default_method!r} is not one of {', '.join(methods)}")
     args.tier_list = _load_tiers(args.tiers, methods, args.max_draft_len, max_len)
+    from specserve.text_gate import GateError, parse_text_types
+
+    try:
+        args.dflash_types = parse_text_types(args.dflash_text_types)
+    except GateError as e:
+        raise CliError(str(e)) from None
+    args.text_classifier = resolve_text_classifier(args.target, args.text_classifier, args.no_text_gate, methods)
     if args.drafter_backend != "python" and args.placement != "remote":
         raise CliError(f"--drafter-backend {args.drafter_backend} applies to remote drafter models; add "
                        f"--placement remote (fused drafters run inside the engine)")
@@ -216,7 +263,8 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
                                   placement=args.placement, spec_threshold=args.spec_threshold,
                                   dtype=args.dtype, drafter_dtype=args.drafter_dtype, device=args.device,
                                   max_queue_len=args.max_queue_len, draft_policy=args.draft_policy,
-                                  tiers=args.tier_list, drafter_backend=args.drafter_backend)
+                                  tiers=args.tier_list, drafter_backend=args.drafter_backend,
+                                  text_classifier=args.text_classifier, dflash_text_types=args.dflash_types)
     # The drafter backend must be one this tritonserver has: checked before the (slow) ONNX
     # export, and every rendered config again after it.
     try:
@@ -374,12 +422,12 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_serve]
 
 # -- drafters (hot-loading) -------------------------------------------------------------------------
 def _add_drafters(sub: argparse._SubParsersAction) -> None:
-    from specserve.triton.drafters import DRAFTER_MODELS, __doc__ as doc
+    from specserve.triton.drafters import LOADABLE_MODELS, __doc__ as doc
 
     p = sub.add_parser("drafters", help="list / load / unload remote drafters on a running server",
                        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("action", choices=("list", "load", "unload", "publish"))
-    p.add_argument("name", nargs="?", help=f"drafter model ({', '.join(DRAFTER_MODELS)})")
+    p.add_argument("name", nargs="?", help=f"drafter model ({', '.join(LOADABLE_MODELS)})")
     p.add_argument("--url", default="localhost:8001", help="the server's gRPC address")
     p.add_argument("--target", type=Path, help="publish: the served target checkpoint")
     p.add_argument("--drafter", type=Path, help="publish: the EAGLE drafter folder to publish")
@@ -412,7 +460,8 @@ def _drafters(args: argparse.Namespace) -> int:
             return 0
         if args.action == "list":
             for m in drafters.list_models(args.url, key):
-                mark = "drafter" if m.name in drafters.DRAFTER_MODELS else ""
+                mark = ("drafter" if m.name in drafters.DRAFTER_MODELS else
+                        "gate" if m.name in drafters.LOADABLE_MODELS else "")
                 print(f"{m.name:20s} {m.version or '-':>3s} {m.state:12s} {mark:8s} {m.reason}")
             return 0
         if not args.name:

@@ -59,7 +59,8 @@ BAD = [
      "tier 't': proposer.proposers must be a non-empty list of ngram, eagle, dspark, dflash, got [\"eagle\", \"medusa\"]"),
     (_one(priorty=3), "tier 't': unknown key(s) priorty; allowed: name, method, fallback, priority, proposer, limits"),
     (_one(proposer={"draft_len": 3}), "tier 't' proposer: unknown key(s) draft_len; allowed: max_draft_len, "
-                                      "spec_threshold, draft_policy, block_size, tree_budget, proposers"),
+                                      "spec_threshold, draft_policy, block_size, tree_budget, proposers, "
+                                      "dflash_text_types"),
     (_one(limits={"max_tokens": 5, "rpm": 3}), "tier 't' limits: unknown key(s) rpm; allowed: max_tokens"),
     ({"tiers": [], "x": 1}, "tiers file: unknown key(s) x; allowed: tiers"),
     ({"tiers": []}, "tiers file: 'tiers' must be a non-empty list"),

@@ -40,3 +40,22 @@ def proposal_call(spec: ModelSpec = schema.EAGLE_PROPOSAL):
 def release_call(spec: ModelSpec = schema.EAGLE_BACKBONE):
     outputs = (schema.UNKNOWN.name,)
     return lambda ids: _exec(spec, {schema.RELEASE_IDS.name: np.asarray(ids, dtype=np.int64)}, outputs)
+
+
+def text_type_call(spec: ModelSpec = schema.TEXT_CLASSIFIER):
+    """`classify(text) → Classification` for the text-type gate; any failure (the model unloaded,
+    restarting or erroring) raises ClassifierUnavailable, which keeps the request's method."""
+    from specserve.text_gate import Classification, ClassifierUnavailable
+
+    outputs = (schema.TEXT_TYPE.name, schema.TEXT_TYPE_PROB.name)
+
+    def classify(text: str) -> Classification:
+        try:
+            out = _exec(spec, {schema.GATE_TEXT.name: np.array([text.encode("utf-8", "surrogatepass")],
+                                                                dtype=np.object_)}, outputs)
+            found = out[schema.TEXT_TYPE.name].reshape(-1)[0]
+            prob = float(out[schema.TEXT_TYPE_PROB.name].reshape(-1)[0])
+        except Exception as e:  # noqa: BLE001 — whatever failed, the gate must not fail the request
+            raise ClassifierUnavailable(str(e)) from None
+        return Classification(found.decode() if isinstance(found, bytes) else str(found), prob)
+    return classify

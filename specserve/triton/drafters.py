@@ -12,6 +12,9 @@ or a later `load eagle_proposal`, Triton switches to it while streams keep runni
 Model control is admin-only (auth.py): every command sends the admin key, from
 $SPECSERVE_ADMIN_KEY or the key file `specserve serve` wrote (<work dir>/admin_key).
 
+text_classifier, the text-type gate's classifier (specserve/text_gate.py), loads and unloads the
+same way; while it is unloaded, dflash requests keep dflash (counted, logged once).
+
 Unloading a drafter never fails a request: the engine decodes the affected sequences plainly
 while it is gone and re-primes them when it is back (specserve/proposers/remote.py).
 """
@@ -29,6 +32,10 @@ from specserve.triton.auth import grpc_headers
 # are not drafters and are refused.
 DRAFTER_MODELS = tuple(name for proposal, steps in schema.REMOTE_PROPOSALS.values()
                        for name in (proposal.name, *(s.name for s in steps)))
+# What load / unload accept: the drafters, and text_classifier (the text-type gate's classifier,
+# text_gate.py), hot-loadable the same way: while it is unloaded, dflash requests keep dflash
+# (counted as decision=unavailable).
+LOADABLE_MODELS = (*DRAFTER_MODELS, schema.TEXT_CLASSIFIER.name)
 
 
 class DrafterError(RuntimeError):
@@ -61,8 +68,8 @@ def list_models(url: str, admin_key: str | None = None) -> list[ModelState]:
 
 
 def _check_name(name: str) -> None:
-    if name not in DRAFTER_MODELS:
-        raise DrafterError(f"{name!r} is not a drafter model; drafters: {', '.join(DRAFTER_MODELS)}")
+    if name not in LOADABLE_MODELS:
+        raise DrafterError(f"{name!r} is not a drafter model; drafters: {', '.join(LOADABLE_MODELS)}")
 
 
 # An ensemble's composing models are (re)loaded before it, so a new version of either part is

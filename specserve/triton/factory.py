@@ -36,6 +36,9 @@ DRAFTED = ("eagle",)
 # Methods built from another method's drafter: dspark runs the served EAGLE drafter fused, as one
 # static step (specserve.proposers.dspark), whichever placement EAGLE itself uses.
 STATIC_METHODS = {"dspark": "eagle"}
+# The method the text-type gate (specserve/text_gate.py) acts on: a request whose effective method
+# is this one runs it only when its prompt's text type is configured to (else its fallback).
+GATED_METHOD = "dflash"
 PLACEMENTS = ("fused", "remote")
 DTYPES = ("float32", "bfloat16")
 DRAFTER_DTYPES = ("auto", *DTYPES)

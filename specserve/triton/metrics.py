@@ -135,3 +135,30 @@ class TritonMetrics:
                 getattr(self._metric(key, labels), op)(value)
             except Exception:  # noqa: BLE001 — metrics must never take serving down
                 log.exception("metric %s %s failed", key, op)
+
+
+class TextGateMetrics:
+    """`specserve_text_gate_total{decision, tier}` from preprocess: one per request the text-type
+    gate acted on (decision dflash | fallback | unavailable; specserve/text_gate.py)."""
+
+    NAME = "specserve_text_gate_total"
+
+    def __init__(self, pb_utils: Any):
+        fam = pb_utils.MetricFamily
+        self._family = fam(name=self.NAME, description="Requests the text-type gate decided, by decision "
+                           "(dflash: kept; fallback: routed to the fallback; unavailable: no classifier, kept).",
+                           kind=fam.COUNTER)
+        self._metrics: dict[tuple[str, str], Any] = {}
+
+    def count(self, decision: str, tier: str) -> None:
+        try:
+            m = self._metrics.get((decision, tier))
+            if m is None:
+                m = self._metrics[(decision, tier)] = self._family.Metric(labels={"decision": decision, "tier": tier})
+            m.increment(1)
+        except Exception:  # noqa: BLE001 — metrics must never take serving down
+            log.exception("metric %s failed", self.NAME)
+
+    def close(self) -> None:
+        self._metrics.clear()   # metrics before their family (the backend requires that order)
+        self._family = None

@@ -31,10 +31,13 @@ SAMPLING_KEYS: dict[str, str] = {
     "num_draft_tokens": _INT,
     "spec_threshold": _NUM,
     "draft_policy": "a string",
+    "spec_fallback": "a string",
 }
 # The draft policy, not sampling. draft_policy: "adaptive" (the engine picks each step's draft
 # length for the best expected goodput at the current load) or "fixed" (always the full length).
-SPEC_KEYS = ("spec_method", "num_draft_tokens", "spec_threshold", "draft_policy")
+# spec_fallback: the method a dflash request runs when the text-type gate routes it away
+# (specserve/text_gate.py); before the tier's fallback.
+SPEC_KEYS = ("spec_method", "num_draft_tokens", "spec_threshold", "draft_policy", "spec_fallback")
 
 
 class BadRequest(ValueError):
@@ -48,6 +51,7 @@ class RequestConfig:
     num_draft_tokens: int | None = None  # None → the server's max_draft_len
     spec_threshold: float | None = None  # None → the server's --spec-threshold
     draft_policy: str | None = None      # None → the server's --draft-policy
+    spec_fallback: str | None = None     # None → the tier's fallback, else ngram (text_gate.py)
     stream: bool = False             # stream one response per engine output, or one at the end
     include_prompt: bool = False     # text_output starts with the prompt text
     tier: str = "default"
@@ -56,6 +60,9 @@ class RequestConfig:
     # The tier's scheduling priority (tiers.py; never a client's key): higher is admitted first
     # when the engine's slots are full (specserve/admission.py).
     priority: int = 0
+    # The text-type gate's decision (text_gate.GateDecision.to_dict; never a client's key), shown
+    # in spec_stats; None when the gate did not act on this request.
+    text_gate: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -103,7 +110,7 @@ def _check_type(key: str, value: Any) -> Any:
             return [value]
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return value
-    if key in ("spec_method", "draft_policy") and isinstance(value, str):
+    if key in ("spec_method", "draft_policy", "spec_fallback") and isinstance(value, str):
         return value
     raise BadRequest(f"sampling_parameters.{key} must be {kind}, got {json.dumps(value)}")
 

@@ -1,14 +1,19 @@
 """preprocess: text → token ids, and the request's flags and sampling parameters → RequestConfig,
-signed for target_verifier (auth.py)."""
+signed for target_verifier (auth.py). With a text-type gate (text_gate.py), a request whose
+effective method is dflash runs it or its fallback by its prompt's text type."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specserve.triton.auth import sign
 from specserve.triton.params import BadRequest, RequestConfig, make_request_config
 from specserve.triton.tiers import Tier
+
+if TYPE_CHECKING:
+    from specserve.text_gate import TextGate
 
 # A normalizer (NFKC, say) may map several bytes of text to fewer; this bounds that contraction.
 NORMALIZER_SLACK = 4
@@ -37,15 +42,17 @@ def max_prompt_bytes(tokenizer, max_model_len: int) -> int:
 
 class Preprocessor:
     def __init__(self, checkpoint: str | Path, tier: "Tier | str" = "default", *, max_model_len: int | None = None,
-                 internal_key: str = ""):
+                 internal_key: str = "", gate: "TextGate | None" = None):
         """`tier`: a Tier (preprocess_<tier>, whose settings fill what a request leaves unset and
-        whose priority the request carries; tiers.py) or just a tier name (server defaults)."""
+        whose priority the request carries; tiers.py) or just a tier name (server defaults).
+        `gate`: the text-type gate, or None when no classifier is served."""
         from specserve.triton.tokenizer import load_tokenizer
         self.tokenizer = load_tokenizer(checkpoint)
         self.tier = tier
         self.max_model_len = max_model_len
         self.max_bytes = None if max_model_len is None else max_prompt_bytes(self.tokenizer, max_model_len)
         self.key = internal_key
+        self.gate = gate
 
     def __call__(self, text: str | bytes | None, stream: bool | None, sampling_parameters: str | bytes | None,
                  exclude_input_in_output: bool | None) -> Prepared:
@@ -63,6 +70,8 @@ class Preprocessor:
         if not text:
             raise BadRequest("text_input is empty")
         config = make_request_config(sampling_parameters, stream, exclude_input_in_output, self.tier)
+        if self.gate is not None:
+            config = self.gate.apply(text, config, self.tier)
         # add_special_tokens: the checkpoint's post-processor adds BOS where the model expects
         # it, as transformers' tokenizer(text) does.
         ids = self.tokenizer.encode(text, add_special_tokens=True).ids

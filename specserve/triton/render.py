@@ -19,10 +19,13 @@ travel as model config parameters, because ensembles cannot carry constants (DES
                          backend; tensorrt: 1/model.plan for its tensorrt backend; see
                          drafter_backends.py)
       eagle_proposal/   config.pbtxt  1/            (ensemble: backbone → calibration head)
+    and, with a text-type classifier (text_gate.py; preprocess calls it for dflash requests):
+      text_classifier/  config.pbtxt  1/model.py 1/model.onnx 1/config.json
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -58,6 +61,11 @@ class RepositorySettings:
     # How remote drafter models run: "python" (onnxruntime inside a Python model), or Triton's
     # native "onnxruntime" / "tensorrt" backends where a model is stateless (drafter_backends.py).
     drafter_backend: str = "python"
+    # The text-type gate (text_gate.py): a classifier folder (model.onnx + config.json) served as
+    # text_classifier, and the text types whose dflash requests keep dflash (a tier's
+    # proposer.dflash_text_types overrides them). None: no gate, dflash runs for every text.
+    text_classifier: str | None = None
+    dflash_text_types: tuple[str, ...] = ("code",)
     # Signs preprocess → target_verifier and authorises internal calls (auth.py). A fresh one per
     # rendering; Triton's model-config endpoint, which would show it, is admin-only.
     internal_key: str = field(default_factory=new_key, repr=False)
@@ -132,7 +140,9 @@ def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
     params = {
         schema.PREPROCESS.name: {"checkpoint": ckpt, "tier": settings.tier,
                                  "max_model_len": settings.max_model_len,
-                                 "internal_key": settings.internal_key},
+                                 "internal_key": settings.internal_key,
+                                 "default_method": settings.default_method,
+                                 "text_gate": text_gate_parameter(settings)},
         schema.TARGET_VERIFIER.name: {"checkpoint": ckpt, "max_num_seqs": settings.max_num_seqs,
                                       "max_model_len": settings.max_model_len,
                                       "max_draft_len": settings.max_draft_len,
@@ -160,12 +170,42 @@ def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
         ensemble_config(schema.ENSEMBLE, schema.ENSEMBLE_STEPS))
     for tier in settings.tiers:
         render_tier(tier, params[schema.PREPROCESS.name], repo)
+    if settings.text_classifier is not None:
+        render_text_classifier(Path(settings.text_classifier), repo, version=1)
     if settings.placement == "remote":
         for method, folder in settings.drafters:
             render_eagle_proposal(Path(settings.checkpoint), Path(folder), repo, version=1,
                                   backend=settings.drafter_backend, max_num_seqs=settings.max_num_seqs,
                                   max_draft_len=settings.max_draft_len)
     return repo
+
+
+def text_gate_parameter(settings: RepositorySettings) -> str:
+    """preprocess's `text_gate` parameter: "" without a classifier, else the gate's settings."""
+    from specserve.text_gate import check_text_types
+
+    if settings.text_classifier is None:
+        return ""
+    types = check_text_types(settings.dflash_text_types, "dflash text types")
+    return json.dumps({"dflash_text_types": list(types)})
+
+
+def render_text_classifier(folder: Path, repo: Path, *, version: int) -> None:
+    """Version `version` of text_classifier from a classifier folder (checked here, so a bad
+    folder is named before any server starts). A later version (a retrained classifier) is the
+    same call with version + 1, then `specserve drafters load text_classifier`."""
+    from specserve.text_gate import CONFIG_FILE, MODEL_FILE, ClassifierConfig, GateError
+
+    ClassifierConfig.load(folder)
+    if not (folder / MODEL_FILE).is_file():
+        raise GateError(f"{folder}: {MODEL_FILE} is missing")
+    spec = schema.TEXT_CLASSIFIER
+    vdir = repo / spec.name / str(version)
+    vdir.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(TEMPLATES / spec.name / "1" / "model.py", vdir / "model.py")
+    for name in (MODEL_FILE, CONFIG_FILE):
+        shutil.copy2(folder / name, vdir / name)
+    (repo / spec.name / "config.pbtxt").write_text(python_model_config(spec, {}))
 
 
 def tier_parameters(preprocess_params: dict[str, object], tier: Tier) -> dict[str, object]:

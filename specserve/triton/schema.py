@@ -161,3 +161,11 @@ EAGLE_PROPOSAL_STEPS = (EAGLE_BACKBONE, CALIBRATION_HEAD)
 REMOTE_PROPOSALS: dict[str, tuple[ModelSpec, tuple[ModelSpec, ...]]] = {
     EAGLE_PROPOSAL.name: (EAGLE_PROPOSAL, EAGLE_PROPOSAL_STEPS),
 }
+
+# -- the text-type gate (specserve/text_gate.py) ------------------------------------------------------
+# text_classifier: a prompt → its text type and that type's probability. preprocess calls it by BLS
+# for requests whose effective method is the gated one (dflash); hot-loadable (drafters.py).
+GATE_TEXT = TensorSpec("gate_text", "STRING", (1,))
+TEXT_TYPE = TensorSpec("text_type", "STRING", (1,))
+TEXT_TYPE_PROB = TensorSpec("text_type_prob", "FP32", (1,))
+TEXT_CLASSIFIER = ModelSpec("text_classifier", (GATE_TEXT,), (TEXT_TYPE, TEXT_TYPE_PROB))

@@ -277,8 +277,12 @@ class VerifierService:
 
 
 def _spec_stats(s: _Stream, out: RequestOutput) -> dict:
-    """The engine's SpecStats plus the request's tier (spec_stats on the client's side)."""
-    return {**out.stats.to_dict(), "tier": s.config.tier}
+    """The engine's SpecStats plus the request's tier and, when the text-type gate acted on it,
+    its decision (spec_stats on the client's side)."""
+    stats = {**out.stats.to_dict(), "tier": s.config.tier}
+    if s.config.text_gate is not None:
+        stats["text_gate"] = s.config.text_gate
+    return stats
 
 
 def _quietly(fn: Callable, *args) -> None:

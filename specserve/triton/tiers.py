@@ -11,6 +11,7 @@ is tier_control.py's.
           max_draft_len: 6        # → the request's num_draft_tokens
           spec_threshold: 0.3     # → spec_threshold (calibration head's stop threshold)
           draft_policy: fixed     # adaptive | fixed
+          dflash_text_types: [code]   # dflash tiers: text types that keep dflash (text_gate.py)
         limits:
           max_tokens: 512         # a request may ask for at most this many output tokens
 
@@ -44,11 +45,13 @@ PRIORITY_RANGE = (0, MAX_PRIORITY)   # admission.py: higher first, aged by steps
 # checked for type and range, and refused on methods that do not use them.
 BLOCK_SIZE_RANGE = (2, 64)     # dflash: tokens drafted per block
 TREE_BUDGET_RANGE = (1, 64)    # mtp: draft-tree nodes verified per step
-FUTURE_SETTINGS = {"block_size": ("dflash",), "tree_budget": ("mtp",), "proposers": ("mtp",)}
+FUTURE_SETTINGS = {"block_size": ("dflash",), "tree_budget": ("mtp",), "proposers": ("mtp",),
+                   "dflash_text_types": ("dflash",)}
 
 _TOP_KEYS = ("tiers",)
 _TIER_KEYS = ("name", "method", "fallback", "priority", "proposer", "limits")
-_PROPOSER_KEYS = ("max_draft_len", "spec_threshold", "draft_policy", "block_size", "tree_budget", "proposers")
+_PROPOSER_KEYS = ("max_draft_len", "spec_threshold", "draft_policy", "block_size", "tree_budget", "proposers",
+                  "dflash_text_types")
 _LIMIT_KEYS = ("max_tokens",)
 
 
@@ -80,6 +83,8 @@ class Tier:
     block_size: int | None = None
     tree_budget: int | None = None
     proposers: tuple[str, ...] | None = None
+    # Text types whose requests keep dflash (text_gate.py); None → the server's --dflash-text-types.
+    dflash_text_types: tuple[str, ...] | None = None
     max_tokens: int | None = None         # limit on the request's max_tokens
 
     def to_json(self) -> str:
@@ -88,8 +93,9 @@ class Tier:
     @classmethod
     def from_json(cls, raw: str) -> "Tier":
         d = json.loads(raw)
-        if d.get("proposers") is not None:
-            d["proposers"] = tuple(d["proposers"])
+        for key in ("proposers", "dflash_text_types"):
+            if d.get(key) is not None:
+                d[key] = tuple(d[key])
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
@@ -181,6 +187,13 @@ def parse_tier(raw: Any, server: ServerLimits, index: int) -> Tier:
             raise TierError(f"{where}: proposer.proposers must be a non-empty list of {', '.join(known)}, "
                             f"got {json.dumps(ps)}")
         got["proposers"] = tuple(ps)
+    if "dflash_text_types" in prop:
+        from specserve.text_gate import GateError, check_text_types
+
+        try:
+            got["dflash_text_types"] = check_text_types(prop["dflash_text_types"], "proposer.dflash_text_types")
+        except GateError as e:
+            raise TierError(f"{where}: {e}") from None
     for key, methods in FUTURE_SETTINGS.items():
         if key in got and method not in methods:
             raise TierError(f"{where}: proposer.{key} applies to method {' / '.join(methods)} only, "

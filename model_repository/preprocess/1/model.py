@@ -1,5 +1,9 @@
 """preprocess: tokenize text_input and normalise the request's parameters (specserve.triton.preprocess)."""
 
+import json
+
+import triton_python_backend_utils as pb_utils
+
 from specserve.triton import pb, schema
 from specserve.triton.preprocess import Preprocessor
 from specserve.triton.tiers import Tier
@@ -10,8 +14,20 @@ class TritonPythonModel:
         params = pb.model_parameters(args)
         # preprocess_<tier> carries its tier's settings (tiers.py); plain `preprocess` may not.
         tier = Tier.from_json(params["tier_settings"]) if params.get("tier_settings") else params.get("tier", "default")
+        self.metrics = None
+        gate = None
+        if params.get("text_gate"):   # a text_classifier is served (render.py): gate dflash requests
+            from specserve.text_gate import TextGate
+            from specserve.triton import bls
+            from specserve.triton.metrics import TextGateMetrics
+
+            pb.route_logging()
+            self.metrics = TextGateMetrics(pb_utils)
+            gate = TextGate(bls.text_type_call(), tuple(json.loads(params["text_gate"])["dflash_text_types"]),
+                            default_method=params["default_method"], count=self.metrics.count)
         self.pre = Preprocessor(params["checkpoint"], tier=tier,
-                                max_model_len=int(params["max_model_len"]), internal_key=params["internal_key"])
+                                max_model_len=int(params["max_model_len"]), internal_key=params["internal_key"],
+                                gate=gate)
 
     def execute(self, requests):
         responses = []
@@ -29,3 +45,7 @@ class TritonPythonModel:
             except Exception as e:  # noqa: BLE001 — answer this request, keep the others
                 responses.append(pb.error_response(f"internal error in preprocess: {type(e).__name__}: {e}"))
         return responses
+
+    def finalize(self):
+        if self.metrics is not None:
+            self.metrics.close()

@@ -1,0 +1,116 @@
+"""The text-type gate through a real tritonserver: preprocess asks the `text_classifier` model (by
+BLS) for dflash requests only; a prose prompt runs its fallback (the default tier's: ngram; a
+tier's own), and spec_stats say why; a code prompt keeps dflash. Unloading text_classifier fails
+no request (it keeps dflash), is counted as decision=unavailable and logged once; loading it
+again restores the routing.
+
+No dflash proposer exists on this branch, so a request that keeps dflash is refused by the engine
+("unknown spec_method 'dflash'"), which is what proves it kept it; where the test needs a request
+that keeps dflash to succeed, it calls the preprocess model directly and reads its output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import make_tiny_checkpoint
+from specserve.cli import SERVE_TRITON_ARGS
+from specserve.tiny import train_tiny_tokenizer
+from specserve.triton import drafters, schema
+from specserve.triton.client import CompletionError, StreamClient, build_inputs
+from specserve.triton.launch import TritonServer
+from specserve.triton.params import RequestConfig
+from specserve.triton.render import RepositorySettings, render_repository
+from specserve.triton.tiers import Tier
+from streams import scrape_metrics
+
+pytestmark = pytest.mark.triton
+
+CLASSIFIER = Path(__file__).resolve().parents[1] / "models" / "demo" / "text_classifier"
+CODE = 'def add(a, b):\n    """Return the sum of a and b.\n'
+PROSE = "The quick brown fox jumps over the lazy dog, and then it rests in the shade of a tree."
+DFLASH = {"spec_method": "dflash", "max_tokens": 4}
+DOCS = Tier("docs", "ngram", "none", 1)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("text_gate_server")
+    ckpt = root / "ckpt"
+    ckpt.mkdir()
+    train_tiny_tokenizer(ckpt)
+    from tokenizers import Tokenizer
+    vocab = Tokenizer.from_file(str(ckpt / "tokenizer.json")).get_vocab_size()
+    make_tiny_checkpoint(ckpt, "llama", vocab_size=vocab, seed=3, max_position_embeddings=256)
+    repo = render_repository(RepositorySettings(ckpt, max_num_seqs=4, max_model_len=256, max_draft_len=4,
+                                                default_method="none", spec_threshold=None, tiers=(DOCS,),
+                                                text_classifier=str(CLASSIFIER)), root / "model_repository")
+    srv = TritonServer(repo, root, None, log_file=root / "tritonserver.log", exit_timeout_s=5,
+                       extra_args=list(SERVE_TRITON_ARGS))
+    srv.start()
+    try:
+        srv.wait_ready(180)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def gen(srv, model, prompt, sampling):
+    return StreamClient(srv.grpc_url, model).generate(prompt, sampling, timeout=120)
+
+
+def preprocess(srv, prompt, sampling) -> RequestConfig:
+    """Call the preprocess model itself and return the request config it hands the engine."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(srv.grpc_url)
+    result = client.infer(schema.PREPROCESS.name, build_inputs(prompt, sampling),
+                          outputs=[grpcclient.InferRequestedOutput(schema.REQUEST_CONFIG.name)])
+    return RequestConfig.from_json(result.as_numpy(schema.REQUEST_CONFIG.name).reshape(-1)[0])
+
+
+def gate_count(srv, decision, tier="default") -> float:
+    metrics = scrape_metrics(srv.metrics_url)
+    return sum(v for k, v in metrics.items() if k.startswith("specserve_text_gate_total{")
+               and f'decision="{decision}"' in k and f'tier="{tier}"' in k)
+
+
+def test_prose_runs_the_fallback_and_code_keeps_dflash(server):
+    prose = gen(server, "llm", PROSE, DFLASH)
+    assert prose.spec_stats["method"] == "ngram" and prose.num_output_tokens == 4
+    gate = prose.spec_stats["text_gate"]
+    assert (gate["decision"], gate["method"], gate["text_type"], gate["dflash_text_types"]) == \
+        ("fallback", "ngram", "prose", ["code"]) and gate["prob"] > 0.9
+    # The tier's fallback (none) beats the server's; the request's spec_fallback beats the tier's.
+    assert gen(server, "llm_docs", PROSE, DFLASH).spec_stats["method"] == "none"
+    assert gen(server, "llm_docs", PROSE, {**DFLASH, "spec_fallback": "ngram"}).spec_stats["method"] == "ngram"
+    # A request that does not ask for dflash is not classified.
+    assert "text_gate" not in gen(server, "llm", PROSE, {"max_tokens": 4}).spec_stats
+    with pytest.raises(CompletionError, match="unknown spec_method 'dflash'"):
+        gen(server, "llm", CODE, DFLASH)          # kept dflash, which this branch does not serve
+    assert gate_count(server, "fallback") >= 1 and gate_count(server, "dflash") >= 1
+    assert gate_count(server, "fallback", "docs") == 2
+
+
+def test_unloading_the_classifier_fails_nothing_is_counted_and_logged_once(server):
+    assert preprocess(server, PROSE, DFLASH).spec_method == "ngram"
+    before = gate_count(server, "unavailable")
+    drafters.unload(server.grpc_url, schema.TEXT_CLASSIFIER.name, server.admin_key)
+    try:
+        for _ in range(3):
+            config = preprocess(server, PROSE, DFLASH)
+            assert config.spec_method == "dflash"
+            assert config.text_gate["decision"] == "unavailable" and config.text_gate["text_type"] is None
+            assert "text_classifier" in config.text_gate["error"]
+        # Requests that do not run dflash never notice.
+        assert gen(server, "llm", PROSE, {"max_tokens": 4}).num_output_tokens == 4
+    finally:
+        drafters.load(server.grpc_url, schema.TEXT_CLASSIFIER.name, server.admin_key)
+    assert preprocess(server, PROSE, DFLASH).spec_method == "ngram"
+    assert gate_count(server, "unavailable") - before == 3
+    log = server.log_file.read_text(errors="replace")
+    assert log.count("text_classifier is unavailable") == 1, log[-3000:]
+    assert log.count("text_classifier answers again") == 1
