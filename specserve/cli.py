@@ -431,6 +431,8 @@ def _add_drafters(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--url", default="localhost:8001", help="the server's gRPC address")
     p.add_argument("--target", type=Path, help="publish: the served target checkpoint")
     p.add_argument("--drafter", type=Path, help="publish: the EAGLE drafter folder to publish")
+    p.add_argument("--classifier", type=Path,
+                   help="publish: a text-type classifier folder to publish as the next text_classifier version")
     p.add_argument("--repository", type=Path, default=Path("work_dirs/serve/model_repository"),
                    help="publish: the served model repository")
     p.add_argument("--load", action="store_true", help="publish: load the new version right away")
@@ -449,6 +451,15 @@ def _drafters(args: argparse.Namespace) -> int:
         raise CliError(f"no admin key: set ${ADMIN_KEY_ENV} or pass --admin-key-file (the server's "
                        f"work dir holds {ADMIN_KEY_FILE})")
     try:
+        if args.action == "publish" and args.classifier:
+            if args.drafter or args.target:
+                raise CliError("drafters publish takes either --classifier or --target and --drafter")
+            version = drafters.publish_classifier(args.classifier, args.repository)
+            print(f"published {args.classifier} as version {version} of text_classifier")
+            if args.load:
+                drafters.load(args.url, "text_classifier", key)
+                print("loaded text_classifier")
+            return 0
         if args.action == "publish":
             if not args.target or not args.drafter:
                 raise CliError("drafters publish needs --target and --drafter")

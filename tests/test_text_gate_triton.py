@@ -2,7 +2,7 @@
 BLS) for dflash requests only; a prose prompt runs its fallback (the default tier's: ngram; a
 tier's own), and spec_stats say why; a code prompt keeps dflash. Unloading text_classifier fails
 no request (it keeps dflash), is counted as decision=unavailable and logged once; loading it
-again restores the routing.
+again restores the routing, and a published new version is loaded by name.
 
 No dflash proposer exists on this branch, so a request that keeps dflash is refused by the engine
 ("unknown spec_method 'dflash'"), which is what proves it kept it; where the test needs a request
@@ -114,3 +114,19 @@ def test_unloading_the_classifier_fails_nothing_is_counted_and_logged_once(serve
     log = server.log_file.read_text(errors="replace")
     assert log.count("text_classifier is unavailable") == 1, log[-3000:]
     assert log.count("text_classifier answers again") == 1
+
+
+def test_a_published_classifier_version_is_loaded_while_serving(server, monkeypatch, capsys):
+    from specserve.cli import main
+
+    monkeypatch.setenv("SPECSERVE_ADMIN_KEY", server.admin_key)
+    assert main(["drafters", "publish", "--classifier", str(CLASSIFIER), "--repository", str(server.repository),
+                 "--load", "--url", server.grpc_url]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "loaded text_classifier"
+    served = {(m.name, m.version): m.state for m in drafters.list_models(server.grpc_url, server.admin_key)}
+    assert served[("text_classifier", "2")] == "READY"
+    assert preprocess(server, PROSE, DFLASH).text_gate["decision"] == "fallback"
+    assert main(["drafters", "publish", "--classifier", str(CLASSIFIER), "--drafter", "x",
+                 "--repository", str(server.repository)]) == 2
+    assert capsys.readouterr().err == ("specserve: error: drafters publish takes either --classifier or --target "
+                                       "and --drafter\n")

@@ -4,6 +4,7 @@
     specserve drafters load    NAME [--url …]
     specserve drafters unload  NAME [--url …]
     specserve drafters publish --target T --drafter DIR --repository REPO [--load] [--url …]
+    specserve drafters publish --classifier DIR --repository REPO [--load] [--url …]
 
 `publish` exports a (re)trained EAGLE drafter as the next version of the remote drafter models
 in a served repository (work_dirs/serve/model_repository for `specserve serve`); with --load,
@@ -106,6 +107,23 @@ def publish(target: Path, drafter: Path, repository: Path) -> int:
     # The new version runs on the backend the served one was rendered for.
     backend = rendered_backend(Path(repository), schema.CALIBRATION_HEAD.name)
     render_eagle_proposal(Path(target), Path(drafter), Path(repository), version=version, backend=backend)
+    return version
+
+
+def publish_classifier(folder: Path, repository: Path) -> int:
+    """Write a (retrained) text-type classifier as the next version of text_classifier; returns
+    that version. `load text_classifier` then switches to it."""
+    from specserve.text_gate import GateError
+    from specserve.triton.render import render_text_classifier
+
+    name = schema.TEXT_CLASSIFIER.name
+    if not (Path(repository) / name / "config.pbtxt").is_file():
+        raise DrafterError(f"{repository} serves no {name} (serve one with --text-classifier DIR)")
+    version = next_version(repository, name)
+    try:
+        render_text_classifier(Path(folder), Path(repository), version=version)
+    except GateError as e:
+        raise DrafterError(str(e)) from None
     return version
 
 
