@@ -31,6 +31,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specserve.text_gate import DEFAULT_DFLASH_TYPES
 from specserve.triton import schema
 from specserve.triton.auth import new_key
 from specserve.triton.schema import ModelSpec, TensorSpec
@@ -65,7 +66,7 @@ class RepositorySettings:
     # text_classifier, and the text types whose dflash requests keep dflash (a tier's
     # proposer.dflash_text_types overrides them). None: no gate, dflash runs for every text.
     text_classifier: str | None = None
-    dflash_text_types: tuple[str, ...] = ("code",)
+    dflash_text_types: tuple[str, ...] = DEFAULT_DFLASH_TYPES
     # Signs preprocess → target_verifier and authorises internal calls (auth.py). A fresh one per
     # rendering; Triton's model-config endpoint, which would show it, is admin-only.
     internal_key: str = field(default_factory=new_key, repr=False)
