@@ -117,7 +117,8 @@ def features(text: str, params: FeatureParams = FeatureParams()) -> np.ndarray:
 
 def featurize(texts: Iterable[str], params: FeatureParams = FeatureParams()) -> np.ndarray:
     """[B, D] float32."""
-    return np.stack([features(t, params) for t in texts]) if texts else np.zeros((0, params.dim), np.float32)
+    rows = [features(t, params) for t in texts]
+    return np.stack(rows) if rows else np.zeros((0, params.dim), np.float32)
 
 
 # -- the classifier --------------------------------------------------------------------------------
