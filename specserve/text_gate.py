@@ -1,10 +1,11 @@
 """The text-type gate: a small classifier decides per request whether DFlash runs or the
 request's fallback method does (DESIGN.md §3, DFlash).
 
-DFlash drafts a whole block per step, which pays off where the continuation is predictable:
-code and structured text (JSON, YAML, SQL …). On natural language its blocks are mostly rejected,
-so a request whose prompt is prose runs its fallback method instead. Which text types keep DFlash
-is configuration (server flag, tier); the default keeps it for `code` only.
+DFlash drafts a whole block per step, which pays off where the continuation is predictable, as
+in code and structured text (JSON, YAML, SQL …); on natural language a block is expected to be
+accepted less far, so there a request may do better on its fallback method. Which text types
+keep DFlash is configuration (server flag, tier); the default keeps it for `code` only. (Whether
+it pays off is DFlash's to measure: this module only classifies and routes.)
 
     prompt ──features()──▶ [D] ──ONNX MLP──▶ p(text type) ──route()──▶ dflash | the fallback
 
