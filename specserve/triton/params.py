@@ -31,10 +31,14 @@ SAMPLING_KEYS: dict[str, str] = {
     "num_draft_tokens": _INT,
     "spec_threshold": _NUM,
     "draft_policy": "a string",
+    "spec_fallback": "a string",
 }
 # The draft policy, not sampling. draft_policy: "adaptive" (the engine picks each step's draft
 # length for the best expected goodput at the current load) or "fixed" (always the full length).
-SPEC_KEYS = ("spec_method", "num_draft_tokens", "spec_threshold", "draft_policy")
+# spec_fallback: the method a dflash request drafts with while its repetition guard is on (else
+# its tier's fallback, else the server's: ngram); any served method but dflash.
+SPEC_KEYS = ("spec_method", "num_draft_tokens", "spec_threshold", "draft_policy", "spec_fallback")
+GUARDED_METHODS = ("dflash",)   # methods with a repetition guard: never a fallback
 
 
 class BadRequest(ValueError):
@@ -103,7 +107,10 @@ def _check_type(key: str, value: Any) -> Any:
             return [value]
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return value
-    if key in ("spec_method", "draft_policy") and isinstance(value, str):
+    if key == "spec_fallback" and value in GUARDED_METHODS:
+        raise BadRequest(f"sampling_parameters.spec_fallback must name a method other than "
+                         f"{' / '.join(GUARDED_METHODS)}, got {json.dumps(value)}")
+    if key in ("spec_method", "draft_policy", "spec_fallback") and isinstance(value, str):
         return value
     raise BadRequest(f"sampling_parameters.{key} must be {kind}, got {json.dumps(value)}")
 
@@ -141,13 +148,16 @@ def make_request_config(sampling_parameters: str | bytes | None, stream: bool | 
     With a Tier, its settings fill what the request left unset (request > tier > server default;
     tiers.py) and its max_tokens limit is enforced."""
     sampling, spec = parse_sampling_parameters(sampling_parameters)
+    own_fallback = spec.pop("spec_fallback", None)   # the request's own beats its tier's
     stream = bool(stream)
     include = (not stream) if exclude_input_in_output is None else not exclude_input_in_output
     if isinstance(tier, str):
-        return RequestConfig(sampling=sampling, stream=stream, include_prompt=include, tier=tier, **spec)
+        return RequestConfig(sampling=sampling, stream=stream, include_prompt=include, tier=tier,
+                             fallback_method=own_fallback, **spec)
     own_method = "spec_method" not in spec   # the request runs the tier's method, so its fallback too
     sampling, spec = apply_tier(tier, sampling, spec)
-    fallback = tier.fallback if own_method and tier.method and tier.fallback != tier.method else None
+    fallback = own_fallback or (tier.fallback if own_method and tier.method and tier.fallback != tier.method
+                                else None)
     return RequestConfig(sampling=sampling, stream=stream, include_prompt=include, tier=tier.name,
                          priority=tier.priority, fallback_method=fallback, **spec)
 
