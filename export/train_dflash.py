@@ -43,6 +43,7 @@ from specserve.model import ForwardBatch, Transformer, load_model
 from specserve.proposers.dflash import (DFlashDrafter, DFlashProposer, dflash_config_for, init_from_target,
                                         save_dflash)
 from specserve.proposers.dflash_memory import batched_views
+from specserve.proposers.ngram import NgramProposer
 from specserve.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,8 +122,8 @@ def train_step(drafter: DFlashDrafter, target: Transformer, cache: dict, opt, *,
     first = tokens.gather(1, p).reshape(-1)                                 # t_p per block
     with torch.no_grad():
         first_embed = target.embed_tokens(first)
-    hidden = drafter.run_block(first_embed, ctx, valid, block)              # [S·A, B, D]
-    logits = target.logits(hidden[:, 1:])                                   # [S·A, B-1, V]
+    hidden = drafter.run_block(first_embed, v.ring[:, -1], ctx, valid, block)  # [S·A, B, D]
+    logits = target.logits(hidden[:, :-1])                                  # [S·A, B-1, V]
     labels, weights = block_labels(tokens, argmax, p, block, gamma)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
     loss = (ce * weights.reshape(-1)).sum() / weights.sum().clamp_min(1e-6)
@@ -148,7 +149,7 @@ def heldout_acceptance(drafter: DFlashDrafter, target: Transformer, prompts: lis
     longest = max(len(p) for p in prompts) + new_tokens + block_size + 2
     proposer = DFlashProposer(drafter, target, max_num_seqs=8, block_size=block_size)
     engine = Engine(target, EngineConfig(max_num_seqs=8, max_model_len=longest, max_draft_len=block_size - 1),
-                    {"dflash": proposer})
+                    {"dflash": proposer, "ngram": NgramProposer()})
     by_kind: dict[str, list[int]] = {}
     same = True
     for i, (p, kind) in enumerate(tqdm(list(zip(prompts, kinds)), desc="held-out acceptance", unit="prompt")):
@@ -283,7 +284,32 @@ def main(argv: list[str] | None = None) -> None:
                "heldout_acceptance_length": heldout, "command": " ".join(sys.argv)}
     (args.out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     (args.out / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log_rows))
+    plot_curve(log_rows, args.out / "training_curve.png")
     print(json.dumps(summary, indent=2))
+
+
+def plot_curve(rows: list[dict], path: Path, smooth: int = 25) -> None:
+    """Loss and teacher-forced position-1 top-1 against step (moving average over `smooth` steps)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def avg(key):
+        vals = [r[key] for r in rows]
+        return [sum(vals[max(0, i - smooth + 1): i + 1]) / len(vals[max(0, i - smooth + 1): i + 1])
+                for i in range(len(vals))]
+
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.2))
+    ax[0].plot(steps, avg("loss"))
+    ax[0].set(xlabel="step", ylabel="block CE (position-weighted)", title="loss")
+    ax[1].plot(steps, avg("top1_pos1"), label="top-1, block position 1")
+    ax[1].plot(steps, [a - 1 for a in avg("accept_len_tf")], label="accepted per block (teacher-forced)")
+    ax[1].set(xlabel="step", title="agreement with the target")
+    ax[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ The drafter proposes a whole block in ONE forward pass. With t_p the sequence's 
     layers       L small NON-causal layers: only block positions make queries; each layer
                  projects [context; block] to keys/values (the context is injected into
                  every layer), so block positions see the context and each other
-    output       lm_head(norm(h_k)) for k = 1..B-1 → the distribution of t_{p+k}; the LM head
-                 is the target's (frozen, not stored)
+    output       lm_head(norm(h_k)) for k = 0..B-2 → the distribution of t_{p+k+1}; the LM
+                 head is the target's (frozen, not stored). Block position 0 also carries the
+                 newest fused vector (f_{p-1}), so the first draft has EAGLE's direct path
 
 The drafted tokens are a chain verified by the target in one forward. Each position's
 distribution q_k does not depend on the tokens drafted before it; it is still the distribution
@@ -81,8 +82,8 @@ class DFlashConfig:
 
 def default_target_layers(num_layers: int, count: int = 4) -> tuple[int, ...]:
     """`count` layers spread over the target's depth (the final hidden state comes on top)."""
-    step = num_layers / (count + 1)
-    return tuple(sorted({int(step * (i + 1)) - 1 for i in range(count)}))
+    step = num_layers / (count + 1)   # 18 layers → (2, 6, 9, 13)
+    return tuple(sorted({max(0, int(step * (i + 1)) - 1) for i in range(count)}))
 
 
 class _MLP(nn.Module):
@@ -144,6 +145,9 @@ class DFlashDrafter(nn.Module):
         self.anchor_embed = nn.Parameter(torch.randn(MAX_ANCHOR_AGE, D) * 0.02)  # by age in windows
         self.block_embed = nn.Parameter(torch.randn(cfg.max_block_size, D) * 0.02)
         self.mask_embed = nn.Parameter(torch.randn(D) * 0.02)
+        # Block position 0 carries the pending token AND the newest fused vector (the token before
+        # it), as EAGLE's input pairs (f_{p-1}, t_p): the direct path to the next token.
+        self.first_proj = nn.Linear(D, D, bias=False)
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(D, eps)
 
@@ -174,19 +178,37 @@ class DFlashDrafter(nn.Module):
                            anchor_valid, ring_valid], dim=1)
         return ctx, valid
 
-    def forward(self, block_tokens_embed: torch.Tensor, ctx: torch.Tensor, ctx_valid: torch.Tensor) -> torch.Tensor:
-        """block_tokens_embed [A, D]: embed(t_p) per row → hidden [A, B, D] of the whole block
-        (position 0 is t_p itself; positions 1..B-1 predict t_{p+1..p+B-1})."""
-        return self.run_block(block_tokens_embed, ctx, ctx_valid, self.cfg.block_size)
-
-    def run_block(self, first_embed: torch.Tensor, ctx: torch.Tensor, ctx_valid: torch.Tensor, B: int) -> torch.Tensor:
+    def run_block(self, first_embed: torch.Tensor, newest: torch.Tensor, ctx: torch.Tensor, ctx_valid: torch.Tensor,
+                  B: int) -> torch.Tensor:
+        """first_embed [A, D] = embed(t_p), newest [A, D] = the newest fused vector (f_{p-1}; zeros
+        when the memory is empty) → hidden [A, B, D] of the whole block. Output k (0..B-2)
+        predicts t_{p+k+1}, as in a causal LM: position 0 (t_p with f_{p-1}) gives the next token
+        directly, EAGLE-like; mask positions give the later ones. Output B-1 is unused."""
         A = first_embed.shape[0]
-        h = torch.cat([first_embed.to(self.dtype)[:, None], self.mask_embed.expand(A, B - 1, -1)], dim=1)
+        first = first_embed.to(self.dtype) + self.first_proj(newest.to(self.dtype))
+        h = torch.cat([first[:, None], self.mask_embed.expand(A, B - 1, -1)], dim=1)
         h = h + self.block_embed[:B]                                                # [A, B, D]
         key_valid = torch.cat([ctx_valid, torch.ones(A, B, dtype=torch.bool, device=h.device)], dim=1)
         for layer in self.layers:
             h = layer(h, ctx, key_valid)
         return self.norm(h)
+
+
+def narrowed(drafter: DFlashDrafter, *, window: int | None = None, pool_slots: int | None = None) -> DFlashDrafter:
+    """The same drafter reading a smaller memory: the ring's newest `window` distances and the
+    first `pool_slots` pool slots (for measuring what W and r buy; the drafter was trained with
+    its own W and r, so this is a lower bound on a drafter trained at the smaller size)."""
+    c = drafter.cfg
+    w, r = window or c.window, pool_slots or c.pool_slots
+    if not (1 <= w <= c.window and 1 <= r <= c.pool_slots):
+        raise ValueError(f"narrowed: window in [1, {c.window}] and pool_slots in [1, {c.pool_slots}], got {w}, {r}")
+    out = DFlashDrafter(DFlashConfig(**{**asdict(c), "window": w, "pool_slots": r}))
+    state = dict(drafter.state_dict())
+    state["ring_embed"] = state["ring_embed"][c.window - w:]
+    state["slot_embed"] = state["slot_embed"][:r]
+    state["pool.score.weight"] = state["pool.score.weight"][:r]
+    out.load_state_dict(state)
+    return out.to(drafter.dtype).eval().requires_grad_(False)
 
 
 def init_from_target(drafter: DFlashDrafter, target: Transformer) -> None:
@@ -207,6 +229,7 @@ def init_from_target(drafter: DFlashDrafter, target: Transformer) -> None:
             dst.post_attention_layernorm.weight.copy_(s.post_attention_layernorm.weight)
         drafter.fuse.weight.zero_()
         drafter.fuse.weight[:, :D] = torch.eye(D)
+        drafter.first_proj.weight.copy_(torch.eye(D))
         drafter.norm.weight.copy_(target.norm.weight)
 
 
@@ -364,10 +387,11 @@ class DFlashProposer:
         if not rows:
             return drafts   # a feature-only call (e.g. the guard's fallback is drafting)
         views = [self._mem[requests[b].seq_id].view() for b in rows]
-        ctx, valid = self.drafter.context(*stack_views(views, self.drafter.cfg.window))
+        ring, ring_valid, anchors, anchor_valid, pool = stack_views(views, self.drafter.cfg.window)
+        ctx, valid = self.drafter.context(ring, ring_valid, anchors, anchor_valid, pool)
         first = torch.tensor([requests[b].token_ids[-1] for b in rows], device=self.target.device)
-        hidden = self.drafter.run_block(F.embedding(first, self._embed_w), ctx, valid, self.block_size)
-        logits = F.linear(hidden[:, 1:], self._head_w).float()   # [A, B-1, V]
+        hidden = self.drafter.run_block(F.embedding(first, self._embed_w), ring[:, -1], ctx, valid, self.block_size)
+        logits = F.linear(hidden[:, :-1], self._head_w).float()   # [A, B-1, V]: t_{p+1..p+B-1}
         for a, b in enumerate(rows):
             r = requests[b]
             k = min(r.max_draft_len, self.max_draft_len)

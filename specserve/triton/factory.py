@@ -36,6 +36,9 @@ DRAFTED = ("eagle", "dflash")
 # Drafted methods that only run fused, in the engine process (DFlash keeps its per-sequence
 # memory beside the engine's features); with placement "remote" they stay fused.
 FUSED_ONLY = ("dflash",)
+# Methods whose rows step aside to a fallback method while their output repeats (the request's
+# spec_fallback, its tier's fallback, else EngineConfig.guard_fallback): never a fallback themselves.
+GUARDED = ("dflash",)
 # Methods built from another method's drafter: dspark runs the served EAGLE drafter fused, as one
 # static step (specserve.proposers.dspark), whichever placement EAGLE itself uses.
 STATIC_METHODS = {"dspark": "eagle"}

@@ -38,7 +38,6 @@ SAMPLING_KEYS: dict[str, str] = {
 # spec_fallback: the method a dflash request drafts with while its repetition guard is on (else
 # its tier's fallback, else the server's: ngram); any served method but dflash.
 SPEC_KEYS = ("spec_method", "num_draft_tokens", "spec_threshold", "draft_policy", "spec_fallback")
-GUARDED_METHODS = ("dflash",)   # methods with a repetition guard: never a fallback
 
 
 class BadRequest(ValueError):
@@ -107,9 +106,12 @@ def _check_type(key: str, value: Any) -> Any:
             return [value]
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return value
-    if key == "spec_fallback" and value in GUARDED_METHODS:
-        raise BadRequest(f"sampling_parameters.spec_fallback must name a method other than "
-                         f"{' / '.join(GUARDED_METHODS)}, got {json.dumps(value)}")
+    if key == "spec_fallback" and isinstance(value, str):
+        from specserve.triton.factory import GUARDED   # methods with a repetition guard: never a fallback
+
+        if value in GUARDED:
+            raise BadRequest(f"sampling_parameters.spec_fallback must name a method other than "
+                             f"{' / '.join(GUARDED)}, got {json.dumps(value)}")
     if key in ("spec_method", "draft_policy", "spec_fallback") and isinstance(value, str):
         return value
     raise BadRequest(f"sampling_parameters.{key} must be {kind}, got {json.dumps(value)}")
