@@ -39,8 +39,8 @@ def test_greedy_dflash_equals_none_through_triton(server):
     client = StreamClient(server.grpc_url)
     rows = [json.loads(line) for line in (DEMO / "heldout_prompts.jsonl").read_text().splitlines()]
     for row in (rows[1], rows[-1]):   # one code prompt, one prose prompt
-        plain = client.generate(row["prompt"], {"max_tokens": 48, "spec_method": "none"})
-        spec = client.generate(row["prompt"], {"max_tokens": 48, "spec_method": "dflash"})
+        plain = client.generate(row["prompt"], {"max_tokens": 32, "spec_method": "none"})
+        spec = client.generate(row["prompt"], {"max_tokens": 32, "spec_method": "dflash"})
         assert spec.text == plain.text, row["id"]
         st = spec.spec_stats
         assert st["method"] == "dflash" and st["draft_tokens"] > 0 and st["proposer_errors"] == 0
