@@ -3,7 +3,8 @@
     python benchmarks/dflash_bench.py [--prompts 8] [--new-tokens 64] [--concurrency 1,8] [--out F.json]
 
 1. Serving (one tritonserver started here, both drafters fused, float32 target, greedy):
-   held-out code and prose prompts alternated, none / eagle / dflash on every block of requests
+   held-out code and prose prompts alternated, none / eagle / dflash (block cut by confidence at
+   the server's spec_threshold 0.3) / dflash_full (whole blocks) on every block of requests
    in an order rotated per block (benchmarks/serving_phases.py), at concurrency 1 (one request
    at a time) and 8: acceptance length by prompt kind, tokens/s, speedups; every greedy output
    compared with none's.
@@ -30,7 +31,12 @@ if str(ROOT) not in sys.path:
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from serving_phases import DEMO, alternated_prompts, run_phases  # noqa: E402
 
-METHODS = ["dflash", "eagle", "none"]
+# configuration → sampling-parameter overrides. dflash cuts its block where the product of its
+# top-1 probabilities falls below the server's --spec-threshold (0.3); dflash_full drafts the
+# whole block every step (spec_threshold 0).
+CONFIGS = {"dflash": {"spec_method": "dflash"}, "dflash_full": {"spec_method": "dflash", "spec_threshold": 0},
+           "eagle": {"spec_method": "eagle"}, "none": {"spec_method": "none"}}
+METHODS = list(CONFIGS)
 
 
 def serving(args, log=print) -> dict:
@@ -42,7 +48,7 @@ def serving(args, log=print) -> dict:
                                   drafters=(("eagle", str(DEMO / "eagle")), ("dflash", str(DEMO / "dflash"))),
                                   device="cpu")
     phases = run_phases(settings, METHODS,
-                        lambda req, m: {"max_tokens": req.max_tokens, "temperature": 0.0, "spec_method": m},
+                        lambda req, m: {"max_tokens": req.max_tokens, "temperature": 0.0, **CONFIGS[m]},
                         prompts=alternated_prompts(args.prompts), concurrencies=concurrencies,
                         new_tokens=args.new_tokens, log=log)
     return {f"C={c}": v for c, v in phases.items()}
@@ -162,9 +168,10 @@ def summary(serving: dict) -> dict:
         out[phase] = {
             "acceptance_length": {m: {k: round(v["mean_acceptance_length"], 3)
                                       for k, v in res[m]["by_kind"].items() if v["mean_acceptance_length"]}
-                                  for m in ("dflash", "eagle")},
+                                  for m in ("dflash", "dflash_full", "eagle")},
             "tokens_per_s": {m: round(v, 2) for m, v in tps.items()},
             "speedup_dflash_over_none": round(tps["dflash"] / tps["none"], 3),
+            "speedup_dflash_full_over_none": round(tps["dflash_full"] / tps["none"], 3),
             "speedup_dflash_over_eagle": round(tps["dflash"] / tps["eagle"], 3),
             "speedup_eagle_over_none": round(tps["eagle"] / tps["none"], 3),
             "identical_to_none": {m: res[m]["identical_to_none"] for m in METHODS},

@@ -55,7 +55,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "server in explicit model-control mode; see `specserve drafters`)")
     p.add_argument("--spec-threshold", type=float, default=0.3,
                    help="EAGLE stops drafting when the calibration head's predicted cumulative "
-                        "acceptance falls below this (a request may override it with spec_threshold)")
+                        "acceptance falls below this, DFlash when the product of its top-1 probabilities "
+                        "does (a request may override it with spec_threshold)")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="compute dtype of the target; float32 (default) keeps greedy "
                         "output token-exact vs plain decoding, bfloat16 is faster where the CPU/GPU has bf16 "

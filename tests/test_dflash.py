@@ -229,3 +229,22 @@ def test_serve_finds_both_drafters_beside_the_demo_target():
     assert resolve_drafters(target, [f"dflash={DEMO / 'dflash'}"], False) == (("dflash", str(DEMO / "dflash")),)
     with pytest.raises(CliError, match="unknown method 'flash'; drafters: eagle, dflash"):
         resolve_drafters(target, ["flash=x"], False)
+
+
+def test_confidence_threshold_cuts_the_block(tmp_path):
+    """spec_threshold on DFlash: drafted positions are kept while the product of the drafter's
+    top-1 probabilities stays >= it; 1.0 keeps none, 0 keeps the whole block; output unchanged."""
+    target = load_model(make_tiny_checkpoint(tmp_path, "llama", seed=3))
+    proposer = DFlashProposer(random_dflash(target, 1, num_layers=1, window=4), target, max_num_seqs=4)
+    engine = Engine(target, EngineConfig(max_num_seqs=4, max_model_len=256),
+                    {"dflash": proposer, "ngram": NgramProposer()}, eos_token_ids=())
+    prompt = [5, 17, 99, 3, 250, 42, 7, 7, 300, 12]
+    got = {th: engine.generate([GenerationRequest("r", prompt, SamplingParams(max_tokens=12), "dflash",
+                                                  spec_threshold=th)])["r"] for th in (0.0, 0.5, 1.0)}
+    plain = engine.generate([GenerationRequest("p", prompt, SamplingParams(max_tokens=12), "none")])["p"]
+    assert all(o.new_token_ids == plain.new_token_ids for o in got.values())
+    assert got[1.0].stats.draft_tokens == 0
+    # nothing is accepted from this random drafter: one token per step, so step i (output i) has
+    # room min(7, 12 - i - 1): full blocks of 7, then what is left
+    assert got[0.0].stats.draft_tokens == sum(min(7, 12 - i - 1) for i in range(1, 11)) == 49
+    assert got[0.0].stats.draft_tokens > got[0.5].stats.draft_tokens

@@ -326,8 +326,14 @@ class DFlashProposer:
     needs_features = True
     def __init__(self, drafter: DFlashDrafter, target: Transformer, *, max_num_seqs: int,
                  block_size: int | None = None, name: str = "dflash",
-                 repetition_guard: RepetitionGuard | None = RepetitionGuard()):
+                 repetition_guard: RepetitionGuard | None = RepetitionGuard(), threshold: float | None = None):
+        """threshold: keep drafted positions while the product of the drafter's top-1
+        probabilities stays at or above it (an uncalibrated stand-in for EAGLE's predicted
+        cumulative acceptance; a request's spec_threshold overrides it; None or 0: the whole
+        block). The cut depends on the drafter's distributions only, never on sampled tokens,
+        so sampled requests stay lossless."""
         self.name = name
+        self.threshold = threshold
         # The engine steps a row aside to its fallback method while its recent output is a long
         # repeated pattern (specserve/repetition.py); None: never.
         self.repetition_guard = repetition_guard
@@ -392,9 +398,16 @@ class DFlashProposer:
         first = torch.tensor([requests[b].token_ids[-1] for b in rows], device=self.target.device)
         hidden = self.drafter.run_block(F.embedding(first, self._embed_w), ring[:, -1], ctx, valid, self.block_size)
         logits = F.linear(hidden[:, :-1], self._head_w).float()   # [A, B-1, V]: t_{p+1..p+B-1}
+        # [A, B-1] product of top-1 probabilities up to each position
+        confidence = torch.cumprod(logits.softmax(-1).amax(-1), dim=1)
         for a, b in enumerate(rows):
             r = requests[b]
             k = min(r.max_draft_len, self.max_draft_len)
+            th = self.threshold if r.threshold is None else r.threshold
+            if th:
+                k = min(k, int((confidence[a] >= th).sum()))   # cumprod is non-increasing
+            if k == 0:
+                continue
             if r.generator is None:
                 drafts[b] = Draft.chain(logits[a, :k].argmax(-1).tolist())
             else:

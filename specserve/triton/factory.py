@@ -140,7 +140,8 @@ def _drafted(method: str, folder: str, model, settings: EngineSettings, max_len:
 
         drafter = load_dflash(folder, model, dtype=resolve_drafter_dtype(settings.drafter_dtype, model),
                               block_size=settings.block_size)
-        return DFlashProposer(drafter, model, max_num_seqs=settings.max_num_seqs, name=method)
+        return DFlashProposer(drafter, model, max_num_seqs=settings.max_num_seqs, name=method,
+                              threshold=settings.spec_threshold)
     if settings.placement == "remote":
         from specserve.proposers.remote import RemoteProposer
         from specserve.triton import bls
