@@ -397,7 +397,9 @@ class DFlashProposer:
         ctx, valid = self.drafter.context(ring, ring_valid, anchors, anchor_valid, pool)
         first = torch.tensor([requests[b].token_ids[-1] for b in rows], device=self.target.device)
         hidden = self.drafter.run_block(F.embedding(first, self._embed_w), ring[:, -1], ctx, valid, self.block_size)
-        logits = F.linear(hidden[:, :-1], self._head_w).float()   # [A, B-1, V]: t_{p+1..p+B-1}
+        # [A, B-1, V]: t_{p+1..p+B-1}. Contiguous first: a bf16 matmul on the strided slice took
+        # 90 ms on this CPU instead of 1.2 ms.
+        logits = F.linear(hidden[:, :-1].contiguous(), self._head_w).float()
         # [A, B-1] product of top-1 probabilities up to each position
         confidence = torch.cumprod(logits.softmax(-1).amax(-1), dim=1)
         for a, b in enumerate(rows):

@@ -32,6 +32,15 @@ import torch
 from torch import nn
 
 
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def _flush(x: torch.Tensor) -> torch.Tensor:
+    """Subnormal numbers → 0. exp() of very negative scores is subnormal, and CPUs compute with
+    subnormals up to ~100× slower (a drafter layer over such a pool: 120 ms instead of 1.4 ms)."""
+    return x.masked_fill(x.abs() < _TINY, 0.0)
+
+
 class SlotPool(nn.Module):
     """The learned parts of the pool: slot scores S [r, D] and the low-rank projection P [ρ, D]."""
 
@@ -106,9 +115,9 @@ class SequenceMemory:
         x = vec.to(pool.score.weight.dtype)
         s, v = pool.scores(x), pool.project(x)             # [e, r], [e, ρ]
         peak = torch.maximum(self.peak, s.max(0).values)   # [r]
-        old = torch.exp(self.peak - peak)   # rescale the running sums to the new max (0 when empty)
-        w = torch.exp(s - peak)             # [e, r]
-        self.num = self.num * old[:, None] + w.T @ v
+        old = _flush(torch.exp(self.peak - peak))   # rescale the running sums to the new max (0 when empty)
+        w = _flush(torch.exp(s - peak))             # [e, r]
+        self.num = _flush(self.num * old[:, None] + w.T @ v)
         self.den = self.den * old + w.sum(0)
         self.peak = peak
 
