@@ -176,6 +176,8 @@ def summary(serving: dict) -> dict:
             "speedup_eagle_over_none": round(tps["eagle"] / tps["none"], 3),
             "identical_to_none": {m: res[m]["identical_to_none"] for m in METHODS},
             "proposer_errors": {m: res[m]["proposer_errors"] for m in METHODS},
+            "guard_steps_of_steps": {m: {k: [v["guard_steps"], v["steps"]] for k, v in res[m]["by_kind"].items()}
+                                     for m in ("dflash", "dflash_full")},
         }
     return out
 

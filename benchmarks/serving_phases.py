@@ -71,6 +71,7 @@ def run_phases(settings, configs: list[str], sampling: Callable[[object, str], d
                     secs = sum(r.end_t - r.send_t for r in recs)
                     summary[m]["by_kind"][kind] = {
                         **speculation(recs), "requests": len(recs),
+                        "guard_steps": sum(r.spec_stats.get("guard_steps", 0) for r in recs),
                         "tokens_per_s_per_request": sum(r.num_output_tokens for r in recs) / secs if secs else None}
             phases[c] = summary
     finally:
