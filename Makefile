@@ -49,7 +49,8 @@ dspark-bench: install
 
 # DFlash vs EAGLE vs none through Triton (C=1 and 8), block-size / W / r sweeps, memory per sequence.
 dflash-bench: install
-	flock /tmp/specserve-bench.lock $(PY) benchmarks/dflash_bench.py --prompts 8 --new-tokens 64 --out docs/dflash/bench.json
+	OMP_NUM_THREADS=1 flock /tmp/specserve-bench.lock $(PY) benchmarks/dflash_bench.py --prompts 8 --new-tokens 64 \
+		--concurrency 1,8 --threads 1 --out docs/dflash/bench.json
 
 # On a GPU machine (NGC PyTorch container): GPU-marked tests + the bf16 8B-shape timing table
 # into docs/gpu/. Uses the machine's CUDA torch (GPU_PY, default python3), not .venv.

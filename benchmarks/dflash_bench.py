@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -145,7 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.time()
     report = {"command": "python benchmarks/dflash_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                          "python": platform.python_version()},
+                          "python": platform.python_version(),
+                          "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
               "drafter": json.loads((DEMO / "dflash" / "config.json").read_text()),
               "memory": memory_table()}
     if not args.skip_serving:
