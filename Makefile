@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test demo serve bench engine-bench eagle-bench dspark-bench gpu-check clean
+.PHONY: install test demo serve bench engine-bench eagle-bench dspark-bench dflash-bench gpu-check clean
 
 install: $(STAMP)
 
@@ -46,6 +46,11 @@ bench: install
 # DSPark vs dynamic EAGLE vs none through Triton (C=1 and 16), span sets, step breakdown; a few minutes here.
 dspark-bench: install
 	$(PY) benchmarks/dspark_bench.py --prompts 4 --new-tokens 64 --out docs/dspark/cpu_fp32.json
+
+# DFlash vs EAGLE vs none through Triton (C=1 and 8), block-size / W / r sweeps, memory per sequence.
+dflash-bench: install
+	OMP_NUM_THREADS=1 flock /tmp/specserve-bench.lock $(PY) benchmarks/dflash_bench.py --prompts 8 --new-tokens 64 \
+		--concurrency 1,8 --threads 1 --out docs/dflash/bench.json
 
 # On a GPU machine (NGC PyTorch container): GPU-marked tests + the bf16 8B-shape timing table
 # into docs/gpu/. Uses the machine's CUDA torch (GPU_PY, default python3), not .venv.

@@ -28,7 +28,7 @@ def run_phases(settings, configs: list[str], sampling: Callable[[object, str], d
                concurrencies: list[int], new_tokens: int, reference: str = "none", log=print) -> dict:
     """{concurrency: {config: summary}} for a server rendered from RepositorySettings `settings`;
     `sampling(workload_request, config)` gives each request's sampling_parameters."""
-    from specserve.bench.metrics import summarize
+    from specserve.bench.metrics import speculation, summarize
     from specserve.bench.runner import StreamDriver, run_phase
     from specserve.bench.workload import WorkloadRequest
     from specserve.triton.launch import TritonServer
@@ -63,6 +63,16 @@ def run_phases(settings, configs: list[str], sampling: Callable[[object, str], d
             for m in configs:
                 same = [r.text == ref.get(r.index) for r in res.records[m] if r.ok]
                 summary[m]["identical_to_none"] = sum(same) / len(same) if same else None
+                # Per prompt kind (code / prose): acceptance, and tokens/s over the requests' own
+                # wall time (exact at concurrency 1, where requests do not overlap).
+                summary[m]["by_kind"] = {}
+                for kind in sorted({r.bucket for r in res.records[m]}):
+                    recs = [r for r in res.records[m] if r.bucket == kind and r.ok]
+                    secs = sum(r.end_t - r.send_t for r in recs)
+                    summary[m]["by_kind"][kind] = {
+                        **speculation(recs), "requests": len(recs),
+                        "guard_steps": sum(r.spec_stats.get("guard_steps", 0) for r in recs),
+                        "tokens_per_s_per_request": sum(r.num_output_tokens for r in recs) / secs if secs else None}
             phases[c] = summary
     finally:
         srv.stop()

@@ -46,15 +46,17 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="speculation method for requests that do not set spec_method "
                         "(default: eagle when a drafter is served, else none)")
     p.add_argument("--drafter", action="append", default=[], metavar="METHOD=DIR",
-                   help="serve a trained drafter, e.g. eagle=models/demo/eagle (repeatable); "
-                        "without it, an EAGLE drafter in a folder 'eagle' beside the target is used")
+                   help="serve a trained drafter, e.g. eagle=models/demo/eagle or dflash=models/demo/dflash "
+                        "(repeatable); without it, drafters in folders 'eagle' and 'dflash' beside the target "
+                        "are used")
     p.add_argument("--no-drafters", action="store_true", help="serve no drafter even if one is found")
     p.add_argument("--placement", choices=("fused", "remote"), default="fused",
                    help="drafters inside the engine (fused) or as hot-loadable Triton models (remote, "
                         "server in explicit model-control mode; see `specserve drafters`)")
     p.add_argument("--spec-threshold", type=float, default=0.3,
                    help="EAGLE stops drafting when the calibration head's predicted cumulative "
-                        "acceptance falls below this (a request may override it with spec_threshold)")
+                        "acceptance falls below this, DFlash when the product of its top-1 probabilities "
+                        "does (a request may override it with spec_threshold)")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="compute dtype of the target; float32 (default) keeps greedy "
                         "output token-exact vs plain decoding, bfloat16 is faster where the CPU/GPU has bf16 "
@@ -181,9 +183,11 @@ def resolve_drafters(target: Path, flags: list[str], disabled: bool) -> tuple[tu
         pairs.append((method, folder))
     if disabled:
         return ()
-    beside = target.resolve().parent / "eagle" / "config.json"
-    if not pairs and beside.is_file() and json.loads(beside.read_text()).get("specserve_drafter") == "eagle":
-        pairs.append(("eagle", str(beside.parent)))
+    if not pairs:   # drafters in folders named after their method beside the target (models/demo/eagle, …/dflash)
+        for method in DRAFTED:
+            beside = target.resolve().parent / method / "config.json"
+            if beside.is_file() and json.loads(beside.read_text()).get("specserve_drafter") == method:
+                pairs.append((method, str(beside.parent)))
     return tuple(pairs)
 
 
@@ -289,8 +293,11 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
     signal.signal(signal.SIGTERM, _interrupt)
     print(f"specserve: serving {args.target} (max_model_len={max_len}, max_num_seqs={args.max_num_seqs}, "
           f"methods: {', '.join(methods)}; default {args.default_method}; {args.dtype} on {args.device}) from {repo}", flush=True)
+    from specserve.triton.factory import FUSED_ONLY
+
     for method, folder in drafters:
-        print(f"specserve: drafter {method} from {folder} ({args.placement})", flush=True)
+        print(f"specserve: drafter {method} from {folder} "
+              f"({'fused' if method in FUSED_ONLY else args.placement})", flush=True)
     # One try around everything after start: a signal can arrive at any point (even between
     # "ready" and the wait), and every exit path must take tritonserver down with us.
     try:

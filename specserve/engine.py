@@ -34,7 +34,7 @@ from specserve.admission import AGING_STEPS, MAX_PRIORITY, PriorityAging
 from specserve.draft_policy import POLICIES, AcceptanceModel, DraftCost, choose
 from specserve.kv_cache import KVCache
 from specserve.masks import build_mask
-from specserve.model import ForwardBatch, Transformer
+from specserve.model import ForwardBatch, ForwardOutput, Transformer
 from specserve.proposers.base import (Draft, DraftRequest, Proposer, ProposerError, ProposerUnavailable,
                                       StepOutcome)
 from specserve.sampling import SamplingParams, make_generator, sample, target_probs
@@ -70,6 +70,9 @@ class EngineConfig:
     # When slots are full, waiting requests are admitted by priority, aged by steps waited
     # (admission.py: one level per this many steps, so the lowest tier is never starved).
     priority_aging_steps: int = AGING_STEPS
+    # The method a row of a proposer with a repetition guard (DFlash) drafts with while its recent
+    # output is a long repeated pattern, unless the request names its own (fallback_method).
+    guard_fallback: str = "ngram"
 
 
 @dataclass
@@ -87,6 +90,10 @@ class SpecStats:
     # concurrency 1, an upper bound per request otherwise.
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    # Repetition guard (specserve/repetition.py): steps drafted by the fallback method because the
+    # recent output was a repeated pattern, and how many times the guard switched on.
+    guard_steps: int = 0
+    guard_activations: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -111,6 +118,7 @@ class SpecStats:
                 "mean_acceptance_length": round(self.mean_acceptance_length, 4),
                 "acceptance_rate_per_position": [round(r, 4) for r in rates],
                 "proposer_errors": self.proposer_errors,
+                "guard_steps": self.guard_steps, "guard_activations": self.guard_activations,
                 "draft_seconds": round(self.draft_seconds, 6), "verify_seconds": round(self.verify_seconds, 6)}
 
 
@@ -131,6 +139,8 @@ class GenerationRequest:
     # The tier's fallback: the method the request starts on instead when, at admission, its own
     # method's proposer says it is unavailable (a remote drafter backing off after failures).
     # Decided once, before prefill, so no sequence ever changes proposer mid-stream.
+    # It is also the method a DFlash row drafts with while the repetition guard is on (the
+    # request's spec_fallback, else its tier's fallback; None → EngineConfig.guard_fallback).
     fallback_method: str | None = None
 
 
@@ -160,9 +170,14 @@ class _Sequence:
     new_tokens: list[int] = field(default_factory=list)  # emitted this step
     finish_reason: str | None = None
     error: str | None = None
-    # [n_i, D] chunks of the hidden states committed since the proposer last took them (kept
-    # across steps without a call — a failed call, or no room to draft — so nothing is lost)
-    feature_chunks: list[torch.Tensor] = field(default_factory=list)
+    # Per proposer name: [n_i, F] chunks of the target features committed since that proposer
+    # last took them (kept across steps without a call — a failed call, or no room to draft — so
+    # nothing is lost). F = D, or more for a proposer with feature_layers.
+    feature_chunks: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    # The repetition guard's fallback proposer (rows of a proposer with a guard), and whether the
+    # guard has stepped this row aside to it now.
+    fallback: Proposer | None = None
+    guarded: bool = False
     step_cap: int | None = None       # this step's draft cap from the adaptive policy
     step_room: int = 0                # this step's cap as the proposer saw it (policy statistics)
     enqueued_step: int = 0            # the engine's step count when it was queued (admission aging)
@@ -174,6 +189,16 @@ class _Sequence:
     @property
     def num_output(self) -> int:
         return len(self.tokens) - self.num_prompt
+
+    @property
+    def drafting(self) -> Proposer:
+        """The proposer that drafts this row's next step."""
+        return self.fallback if self.guarded else self.proposer
+
+    def feature_users(self) -> list[Proposer]:
+        """Proposers that must see every committed token's features (the fallback too, so it
+        can take over at any step)."""
+        return [p for p in (self.proposer, self.fallback) if p is not None and p.needs_features]
 
 
 class Engine:
@@ -201,6 +226,12 @@ class Engine:
         self.cache: KVCache = model.new_cache(config.max_num_seqs + bool(static),
                                               config.max_model_len + config.max_draft_len + 1)
         self._scratch_slots = int(bool(static))
+        # Target layers whose residual streams some proposer reads (DFlash): every forward keeps them.
+        self._feature_layers = tuple(sorted({i for p in self.proposers.values()
+                                             for i in getattr(p, "feature_layers", ())}))
+        if any(getattr(p, "repetition_guard", None) for p in self.proposers.values()) \
+                and config.guard_fallback not in self.proposers:
+            raise ValueError(f"guard_fallback {config.guard_fallback!r} has no proposer")
         if static:
             scratch = self.cache.allocate()
             for p in static:
@@ -250,6 +281,12 @@ class Engine:
         if req.fallback_method is not None and req.fallback_method not in self.proposers:
             raise RequestRejected(f"unknown fallback method {req.fallback_method!r}; available: "
                                   f"{', '.join(self.methods)}")
+        if getattr(self.proposers[method], "repetition_guard", None):
+            fallback = req.fallback_method or self.cfg.guard_fallback
+            if fallback == method or getattr(self.proposers[fallback], "repetition_guard", None) \
+                    or getattr(self.proposers[fallback], "static_step", False):
+                raise RequestRejected(f"spec_fallback {fallback!r} cannot stand in for {method}: it must be "
+                                      f"a method without a repetition guard or a static step")
         k = req.num_draft_tokens
         if k is not None and not (isinstance(k, int) and 0 <= k <= self.cfg.max_draft_len):
             raise RequestRejected(f"num_draft_tokens must be an integer in [0, {self.cfg.max_draft_len}] "
@@ -360,6 +397,8 @@ class Engine:
             fallback = seq.req.fallback_method
             if fallback and not getattr(seq.proposer, "available", True):
                 seq.proposer, seq.stats.method = self.proposers[fallback], fallback
+            if getattr(seq.proposer, "repetition_guard", None):
+                seq.fallback = self.proposers[fallback or self.cfg.guard_fallback]
             seq.slot = self.cache.allocate()
             self._running.append(seq)
             admitted.append(seq)
@@ -372,14 +411,14 @@ class Engine:
             tokens[b, :len(s.tokens)] = torch.tensor(s.tokens)
         parents = [list(range(-1, len(s.tokens) - 1)) for s in seqs]
         mask, positions = build_mask([0] * len(seqs), parents, T, sliding_window=self.model.cfg.sliding_window)
-        hidden = self._forward(tokens, positions, [s.slot for s in seqs], [0] * len(seqs), mask)
+        out = self._forward_all(tokens, positions, [s.slot for s in seqs], [0] * len(seqs), mask)
+        hidden = out.hidden
         last = torch.tensor([len(s.tokens) - 1 for s in seqs])
         logits = self.model.logits(hidden[torch.arange(len(seqs)), last])  # [B, V]
         for b, s in enumerate(seqs):
             n = len(s.tokens)
             self.cache.truncate(s.slot, n)
-            if s.proposer.needs_features:
-                s.feature_chunks = [hidden[b, :n].clone()]
+            _keep_features(s, out, b, slice(0, n))
             try:
                 first = self._first_token(logits[b], s)
             except Exception as e:  # noqa: BLE001 — this row's sampling failed; the others go on
@@ -396,7 +435,8 @@ class Engine:
         drafts: dict[int, Draft] = {}
         by_proposer: dict[str, list[_Sequence]] = {}
         for s in seqs:
-            by_proposer.setdefault(s.proposer.name, []).append(s)
+            by_proposer.setdefault(s.drafting.name, []).append(s)
+        self._sync_features(seqs)
         for name, group in by_proposer.items():
             requests, idle = [], []
             for s in group:
@@ -414,11 +454,11 @@ class Engine:
                     idle.append(s)
                     continue
                 requests.append(DraftRequest(s.seq_id, s.tokens, room, s.req.params, s.generator,
-                                             _features(s), s.req.spec_threshold))
+                                             _features(s, name), s.req.spec_threshold))
             group = [s for s in group if all(s is not i for i in idle)]
             if not group:
                 continue
-            proposer = group[0].proposer
+            proposer = group[0].drafting
             t0 = time.perf_counter()
             try:
                 got = proposer.propose(requests)
@@ -439,7 +479,7 @@ class Engine:
                     s.stats.proposer_errors += 1
             else:
                 for s in group:
-                    s.feature_chunks = []  # delivered
+                    s.feature_chunks.pop(name, None)  # delivered
             finally:
                 elapsed = time.perf_counter() - t0
                 for s in group:
@@ -456,6 +496,41 @@ class Engine:
                 drafts[s.seq_id] = _truncate(d, r.max_draft_len)
         return [drafts[s.seq_id] for s in seqs]
 
+    def _sync_features(self, seqs: list[_Sequence]) -> None:
+        """Hand features to the proposers that need them but do not draft a row this step (DFlash
+        while its repetition guard is on; a fallback that reads features while DFlash drafts):
+        a call with max_draft_len 0, so either can draft the next step. A failed call keeps the
+        features for the next one."""
+        by_name: dict[str, list[_Sequence]] = {}
+        for s in seqs:
+            for p in s.feature_users():
+                if p is not s.drafting and s.feature_chunks.get(p.name):
+                    by_name.setdefault(p.name, []).append(s)
+        for name, group in by_name.items():
+            proposer = next(p for p in group[0].feature_users() if p.name == name)
+            requests = [DraftRequest(s.seq_id, s.tokens, 0, s.req.params, s.generator, _features(s, name),
+                                     s.req.spec_threshold) for s in group]
+            try:
+                proposer.propose(requests)
+            except Exception:  # noqa: BLE001 — the features wait for the next call
+                log.warning("proposer %s failed to take features (it drafts nothing this step)", name,
+                            exc_info=True)
+                for s in group:
+                    s.stats.proposer_errors += 1
+            else:
+                for s in group:
+                    s.feature_chunks.pop(name, None)
+
+    def _update_guards(self, seqs: list[_Sequence]) -> None:
+        """Step rows aside to their fallback while their recent output repeats (repetition.py)."""
+        for s in seqs:
+            if s.fallback is None:
+                continue
+            was, s.guarded = s.guarded, s.proposer.repetition_guard.active(s.tokens)
+            if s.guarded:
+                s.stats.guard_steps += 1
+                s.stats.guard_activations += not was
+
     def _acceptance_model(self, name: str) -> AcceptanceModel:
         if name not in self._acceptance:
             self._acceptance[name] = AcceptanceModel(self.cfg.max_draft_len)
@@ -466,24 +541,25 @@ class Engine:
         adaptive, fixed = [], []
         for s in seqs:
             s.step_cap = None
-            if s.proposer.name == "none":
+            if s.drafting.name == "none":
                 continue
             cap = self.cfg.max_draft_len if s.req.num_draft_tokens is None else s.req.num_draft_tokens
-            row = (self._acceptance_model(s.proposer.name), cap)
+            row = (self._acceptance_model(s.drafting.name), cap)
             (adaptive if (s.req.draft_policy or self.cfg.draft_policy) == "adaptive" else fixed).append(row)
         if not adaptive:
             return
         if self.cost_table is None:   # a request asked for it on an engine started "fixed"
             from specserve.draft_policy import profile_engine_verify
             self.cost_table = profile_engine_verify(self)
-        costs = [self._draft_cost[n] for n in {s.proposer.name for s in seqs} if n in self._draft_cost]
+        costs = [self._draft_cost[n] for n in {s.drafting.name for s in seqs} if n in self._draft_cost]
         choice = choose(self.cost_table, len(seqs), adaptive, fixed, lambda w: sum(c.seconds(w) for c in costs))
         self.last_policy_k = choice.k
         for s in seqs:
-            if s.proposer.name != "none" and (s.req.draft_policy or self.cfg.draft_policy) == "adaptive":
+            if s.drafting.name != "none" and (s.req.draft_policy or self.cfg.draft_policy) == "adaptive":
                 s.step_cap = choice.k
 
     def _decode(self, seqs: list[_Sequence]) -> None:
+        self._update_guards(seqs)
         self._plan(seqs)
         drafts = self._draft(seqs)
         t0 = time.perf_counter()
@@ -495,8 +571,8 @@ class Engine:
         starts = [self.cache.lengths[s.slot] for s in seqs]
         parents = [[-1] + [p + 1 for p in d.parents] for d in drafts]
         mask, positions = build_mask(starts, parents, T, sliding_window=self.model.cfg.sliding_window)
-        hidden = self._forward(tokens, positions, [s.slot for s in seqs], starts, mask)  # [B, T, D]
-        logits = self.model.logits(hidden)  # [B, T, V]
+        out = self._forward_all(tokens, positions, [s.slot for s in seqs], starts, mask)
+        logits = self.model.logits(out.hidden)  # [B, T, V]
         outcomes: dict[str, list[StepOutcome]] = {}
         observed: dict[str, tuple[list[int], list[int], list[int]]] = {}   # proposer → (drafted, accepted, caps)
         for b, (s, d) in enumerate(zip(seqs, drafts)):
@@ -508,15 +584,15 @@ class Engine:
                 continue
             rows = [0] + [c + 1 for c in verdict.accepted_nodes]  # forward rows kept, in order
             self.cache.compact_path(s.slot, starts[b], rows)
-            if s.proposer.needs_features:
-                s.feature_chunks.append(hidden[b, rows].clone())  # [n, D]
+            _keep_features(s, out, b, rows)
             s.stats.record(len(d), verdict.num_accepted)
-            if s.proposer.name != "none":
-                seen = observed.setdefault(s.proposer.name, ([], [], []))
+            drafter = s.drafting
+            if drafter.name != "none":
+                seen = observed.setdefault(drafter.name, ([], [], []))
                 seen[0].append(len(d))
                 seen[1].append(verdict.num_accepted)
                 seen[2].append(s.step_room)
-            outcomes.setdefault(s.proposer.name, []).append(
+            outcomes.setdefault(drafter.name, []).append(
                 StepOutcome(s.seq_id, len(d), verdict.accepted_nodes, verdict.emitted))
             self._emit(s, verdict.emitted)
         elapsed = time.perf_counter() - t0
@@ -542,8 +618,9 @@ class Engine:
                 cap = self.cfg.max_draft_len if s.req.num_draft_tokens is None else s.req.num_draft_tokens
                 room = min(cap, s.req.params.max_tokens - s.num_output - 1, self.cfg.max_model_len - len(s.tokens))
                 rows.append(StaticRow(s.seq_id, s.slot, s.tokens, self.cache.lengths[s.slot], max(room, 0),
-                                      s.req.params, s.generator, _features(s), s.req.spec_threshold))
-                s.feature_chunks = []
+                                      s.req.params, s.generator, _features(s, s.proposer.name),
+                                      s.req.spec_threshold))
+                s.feature_chunks.pop(s.proposer.name, None)
             t0 = time.perf_counter()
             outcomes = group[0].proposer.step(rows)
             elapsed = time.perf_counter() - t0
@@ -554,10 +631,14 @@ class Engine:
                 self._emit(s, o.emitted)
 
     def _forward(self, tokens, positions, slots, starts, mask) -> torch.Tensor:
+        return self._forward_all(tokens, positions, slots, starts, mask).hidden
+
+    def _forward_all(self, tokens, positions, slots, starts, mask) -> ForwardOutput:
+        """The target forward, keeping the residual streams proposers read (feature_layers)."""
         dev = self.model.device
         batch = ForwardBatch(tokens.to(dev), positions.to(dev), torch.tensor(slots, device=dev),
                              torch.tensor(starts, device=dev), mask.to(dev))
-        return self.model.forward(batch, self.cache).hidden
+        return self.model.forward(batch, self.cache, hidden_layers=self._feature_layers)
 
     # -- output and stop conditions -----------------------------------------------------------
     def _emit(self, seq: _Sequence, tokens: list[int]) -> None:
@@ -630,10 +711,22 @@ def _prefill_groups(seqs: list[_Sequence], budget: int) -> list[list[_Sequence]]
     return groups
 
 
-def _features(seq: _Sequence) -> torch.Tensor | None:
-    """[n, D]: the committed features the proposer has not taken yet, or None."""
-    chunks = seq.feature_chunks
+def _features(seq: _Sequence, name: str) -> torch.Tensor | None:
+    """[n, F]: the committed features proposer `name` has not taken yet, or None."""
+    chunks = seq.feature_chunks.get(name)
     return None if not chunks else chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+
+def _keep_features(seq: _Sequence, out: ForwardOutput, b: int, rows) -> None:
+    """Keep row b's features at forward positions `rows` (the tokens just committed) for every
+    proposer of `seq` that reads them: the final hidden state [n, D], followed by the residual
+    streams after the proposer's feature_layers ([n, (1 + L) D]) where it names some."""
+    for p in seq.feature_users():
+        feats = out.hidden[b, rows]
+        layers = getattr(p, "feature_layers", ())
+        if layers:
+            feats = torch.cat([feats] + [out.layer_hidden[i][b, rows] for i in layers], dim=-1)
+        seq.feature_chunks.setdefault(p.name, []).append(feats.clone())
 
 
 def _draft_problem(draft: Draft, vocab_size: int) -> str | None:

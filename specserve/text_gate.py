@@ -266,7 +266,8 @@ class TextGate:
         if (config.spec_method or self.default_method) != GATED_METHOD:
             return config
         types = self.types_for(tier)
-        fallback = resolve_fallback(config.spec_fallback, tier)
+        # The same fallback the engine's repetition guard uses (params.make_request_config).
+        fallback = resolve_fallback(config.fallback_method, None)
         try:
             found = self.classify(text)
         except ClassifierUnavailable as e:

@@ -71,7 +71,11 @@ class DraftRequest:
     # None for greedy requests.
     generator: torch.Generator | None = None
     # Target features (final hidden states, [n, D]) of the tokens committed since the previous
-    # request for this sequence; only filled for proposers with `needs_features`.
+    # request for this sequence; only filled for proposers with `needs_features`. A proposer with
+    # a `feature_layers` attribute (target layer indices, e.g. DFlash) gets the final hidden
+    # state followed by the residual stream after each of those layers: [n, (1 + L) D].
+    # max_draft_len may be 0: a call that only hands over features (e.g. DFlash while its
+    # repetition guard has the row drafting with another method).
     features: torch.Tensor | None = None
     # The request's calibration stop threshold; None → the proposer's own default. Proposers
     # without a calibration head ignore it.

@@ -32,7 +32,13 @@ PROPOSERS: dict[str, Callable[[], "Proposer"]] = {
 }
 
 # Methods that need a trained drafter (given per deployment in EngineSettings.drafters).
-DRAFTED = ("eagle",)
+DRAFTED = ("eagle", "dflash")
+# Drafted methods that only run fused, in the engine process (DFlash keeps its per-sequence
+# memory beside the engine's features); with placement "remote" they stay fused.
+FUSED_ONLY = ("dflash",)
+# Methods whose rows step aside to a fallback method while their output repeats (the request's
+# spec_fallback, its tier's fallback, else EngineConfig.guard_fallback): never a fallback themselves.
+GUARDED = ("dflash",)
 # Methods built from another method's drafter: dspark runs the served EAGLE drafter fused, as one
 # static step (specserve.proposers.dspark), whichever placement EAGLE itself uses.
 STATIC_METHODS = {"dspark": "eagle"}
@@ -81,6 +87,9 @@ class EngineSettings:
     device: str = "auto"
     max_queue_len: int = 128   # requests waiting for a slot, at most (EngineConfig.max_queue_len)
     draft_policy: str = "fixed"  # EngineConfig.draft_policy
+    # DFlash block size (drafts up to block_size - 1 per step, and at most max_draft_len);
+    # None → the drafter's config.json
+    block_size: int | None = None
 
 
 def static_methods(drafters: tuple[tuple[str, str], ...]) -> list[str]:
@@ -129,6 +138,13 @@ def _drafted(method: str, folder: str, model, settings: EngineSettings, max_len:
         raise ValueError(f"unknown drafter method {method!r}; drafters: {', '.join(DRAFTED)}")
     if settings.placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {settings.placement!r}")
+    if method == "dflash":
+        from specserve.proposers.dflash import DFlashProposer, load_dflash
+
+        drafter = load_dflash(folder, model, dtype=resolve_drafter_dtype(settings.drafter_dtype, model),
+                              block_size=settings.block_size)
+        return DFlashProposer(drafter, model, max_num_seqs=settings.max_num_seqs, name=method,
+                              threshold=settings.spec_threshold)
     if settings.placement == "remote":
         from specserve.proposers.remote import RemoteProposer
         from specserve.triton import bls

@@ -31,6 +31,11 @@ _COUNTERS = {
     "requests": ("specserve_request_success_total", "Finished requests, by finish reason."),
     "prompt_tokens": ("specserve_prompt_tokens_total", "Prompt tokens prefilled."),
     "generation_tokens": ("specserve_generation_tokens_total", "Tokens generated."),
+    "guard_steps": ("specserve_spec_decode_guard_steps_total",
+                    "Steps a row of a guarded method (dflash) drafted with its fallback because its recent "
+                    "output was a repeated pattern."),
+    "guard_activations": ("specserve_spec_decode_guard_activations_total",
+                          "Times the repetition guard stepped a row aside to its fallback."),
     "rejected": ("specserve_request_rejected_total",
                  "Requests refused at submission, by reason (busy: queue full; invalid; draining)."),
 }
@@ -79,6 +84,11 @@ class TritonMetrics:
         self._inc("accepted", labels, accepted)
         for pos, n in enumerate(accepted_per_position):
             self._inc("per_position", {**labels, "position": str(pos)}, n)
+
+    def guard(self, method: str, tier: str, steps: int, activations: int) -> None:
+        labels = {"method": method, "tier": tier}
+        self._inc("guard_steps", labels, steps)
+        self._inc("guard_activations", labels, activations)
 
     def first_token(self, method: str, tier: str, seconds: float) -> None:
         self._queue.put(("ttft", {"method": method, "tier": tier}, "observe", seconds))

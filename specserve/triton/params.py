@@ -35,8 +35,9 @@ SAMPLING_KEYS: dict[str, str] = {
 }
 # The draft policy, not sampling. draft_policy: "adaptive" (the engine picks each step's draft
 # length for the best expected goodput at the current load) or "fixed" (always the full length).
-# spec_fallback: the method a dflash request runs when the text-type gate routes it away
-# (specserve/text_gate.py); before the tier's fallback.
+# spec_fallback: the method a dflash request runs instead of dflash: when the text-type gate routes
+# it away (specserve/text_gate.py) and while its repetition guard is on; before the tier's
+# fallback, then the server's (ngram). Any served method but dflash.
 SPEC_KEYS = ("spec_method", "num_draft_tokens", "spec_threshold", "draft_policy", "spec_fallback")
 
 
@@ -51,11 +52,13 @@ class RequestConfig:
     num_draft_tokens: int | None = None  # None → the server's max_draft_len
     spec_threshold: float | None = None  # None → the server's --spec-threshold
     draft_policy: str | None = None      # None → the server's --draft-policy
-    spec_fallback: str | None = None     # None → the tier's fallback, else ngram (text_gate.py)
+    spec_fallback: str | None = None     # the client's own; the effective one is fallback_method
     stream: bool = False             # stream one response per engine output, or one at the end
     include_prompt: bool = False     # text_output starts with the prompt text
     tier: str = "default"
-    # The tier's fallback method (tiers.py), set when the request runs the tier's own method.
+    # The effective fallback: the request's spec_fallback, else its tier's fallback (tiers.py) when
+    # the request runs the tier's own method; None → the server's (EngineConfig.guard_fallback,
+    # text_gate.DEFAULT_FALLBACK: both ngram).
     fallback_method: str | None = None
     # The tier's scheduling priority (tiers.py; never a client's key): higher is admitted first
     # when the engine's slots are full (specserve/admission.py).
@@ -110,6 +113,12 @@ def _check_type(key: str, value: Any) -> Any:
             return [value]
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return value
+    if key == "spec_fallback" and isinstance(value, str):
+        from specserve.triton.factory import GUARDED   # methods with a repetition guard: never a fallback
+
+        if value in GUARDED:
+            raise BadRequest(f"sampling_parameters.spec_fallback must name a method other than "
+                             f"{' / '.join(GUARDED)}, got {json.dumps(value)}")
     if key in ("spec_method", "draft_policy", "spec_fallback") and isinstance(value, str):
         return value
     raise BadRequest(f"sampling_parameters.{key} must be {kind}, got {json.dumps(value)}")
@@ -148,13 +157,16 @@ def make_request_config(sampling_parameters: str | bytes | None, stream: bool | 
     With a Tier, its settings fill what the request left unset (request > tier > server default;
     tiers.py) and its max_tokens limit is enforced."""
     sampling, spec = parse_sampling_parameters(sampling_parameters)
+    own_fallback = spec.get("spec_fallback")   # the request's own beats its tier's
     stream = bool(stream)
     include = (not stream) if exclude_input_in_output is None else not exclude_input_in_output
     if isinstance(tier, str):
-        return RequestConfig(sampling=sampling, stream=stream, include_prompt=include, tier=tier, **spec)
+        return RequestConfig(sampling=sampling, stream=stream, include_prompt=include, tier=tier,
+                             fallback_method=own_fallback, **spec)
     own_method = "spec_method" not in spec   # the request runs the tier's method, so its fallback too
     sampling, spec = apply_tier(tier, sampling, spec)
-    fallback = tier.fallback if own_method and tier.method and tier.fallback != tier.method else None
+    fallback = own_fallback or (tier.fallback if own_method and tier.method and tier.fallback != tier.method
+                                else None)
     return RequestConfig(sampling=sampling, stream=stream, include_prompt=include, tier=tier.name,
                          priority=tier.priority, fallback_method=fallback, **spec)
 

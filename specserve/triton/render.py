@@ -174,7 +174,9 @@ def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
     if settings.text_classifier is not None:
         render_text_classifier(Path(settings.text_classifier), repo, version=1)
     if settings.placement == "remote":
-        for method, folder in settings.drafters:
+        from specserve.triton.factory import FUSED_ONLY
+
+        for method, folder in (d for d in settings.drafters if d[0] not in FUSED_ONLY):
             render_eagle_proposal(Path(settings.checkpoint), Path(folder), repo, version=1,
                                   backend=settings.drafter_backend, max_num_seqs=settings.max_num_seqs,
                                   max_draft_len=settings.max_draft_len)

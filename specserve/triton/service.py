@@ -56,6 +56,8 @@ class MetricsSink(Protocol):
     """What the service reports; the Triton adapter turns it into Prometheus metrics."""
     def spec_step(self, method: str, tier: str, drafts: int, draft_tokens: int, accepted: int,
                   accepted_per_position: list[int]) -> None: ...
+    # Repetition guard (dflash): steps drafted by the fallback and activations, per finished request.
+    def guard(self, method: str, tier: str, steps: int, activations: int) -> None: ...
     def first_token(self, method: str, tier: str, seconds: float) -> None: ...
     def finished(self, method: str, tier: str, reason: str, num_prompt: int, num_output: int,
                  time_per_output_token: float | None) -> None: ...
@@ -274,6 +276,9 @@ class VerifierService:
             tpot = (now - s.first_token_at) / (out.num_output_tokens - 1)
         _quietly(self.metrics.finished, s.method, s.config.tier, out.finish_reason or "abort",
                      out.num_prompt_tokens, out.num_output_tokens, tpot)
+        if out.stats.guard_steps:
+            _quietly(self.metrics.guard, s.method, s.config.tier, out.stats.guard_steps,
+                     out.stats.guard_activations)
 
 
 def _spec_stats(s: _Stream, out: RequestOutput) -> dict:

@@ -39,7 +39,7 @@ from specserve.triton.schema import DEFAULT_TIER, TIER_NAME_PATTERN
 
 # Methods DESIGN.md §3 defines that no proposer implements yet: a tier naming one is refused with
 # a message saying so (not "unknown"), so a file written for a later release fails clearly.
-PLANNED_METHODS = ("dflash", "mtp")
+PLANNED_METHODS = ("mtp",)
 PRIORITY_RANGE = (0, MAX_PRIORITY)   # admission.py: higher first, aged by steps waited
 # Settings of the planned methods, accepted by the schema so files can be written for them now,
 # checked for type and range, and refused on methods that do not use them.
