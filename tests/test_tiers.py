@@ -112,9 +112,12 @@ def test_the_request_beats_the_tier():
     got = make_request_config(raw, False, None, CODE)
     assert got == RequestConfig(sampling={"max_tokens": 100}, spec_method="eagle", num_draft_tokens=6,
                                 spec_threshold=0.0, draft_policy="adaptive", stream=False, include_prompt=True,
-                                tier="code", priority=5)
-    # The request chose its own method, so the tier's fallback (for the tier's method) is not set.
-    assert got.fallback_method is None
+                                tier="code", priority=5, fallback_method="none")
+    # The tier's fallback serves the request's own method too (request > tier > server), except
+    # when it is that method itself; the request's spec_fallback beats it.
+    assert make_request_config(json.dumps({"spec_method": "none"}), False, None, CODE).fallback_method is None
+    own = make_request_config(json.dumps({"spec_method": "eagle", "spec_fallback": "ngram"}), False, None, CODE)
+    assert (own.spec_fallback, own.fallback_method) == ("ngram", "ngram")
 
 
 def test_what_neither_sets_stays_for_the_server_default():

@@ -56,8 +56,8 @@ class RequestConfig:
     stream: bool = False             # stream one response per engine output, or one at the end
     include_prompt: bool = False     # text_output starts with the prompt text
     tier: str = "default"
-    # The effective fallback: the request's spec_fallback, else its tier's fallback (tiers.py) when
-    # the request runs the tier's own method; None → the server's (EngineConfig.guard_fallback,
+    # The effective fallback: the request's spec_fallback, else its tier's fallback (tiers.py) unless
+    # that is the request's own method; None → the server's (EngineConfig.guard_fallback,
     # text_gate.DEFAULT_FALLBACK: both ngram).
     fallback_method: str | None = None
     # The tier's scheduling priority (tiers.py; never a client's key): higher is admitted first
@@ -163,10 +163,11 @@ def make_request_config(sampling_parameters: str | bytes | None, stream: bool | 
     if isinstance(tier, str):
         return RequestConfig(sampling=sampling, stream=stream, include_prompt=include, tier=tier,
                              fallback_method=own_fallback, **spec)
-    own_method = "spec_method" not in spec   # the request runs the tier's method, so its fallback too
     sampling, spec = apply_tier(tier, sampling, spec)
-    fallback = own_fallback or (tier.fallback if own_method and tier.method and tier.fallback != tier.method
-                                else None)
+    # request > tier > server (None): the tier's fallback serves whichever method the request runs,
+    # unless it is that method itself.
+    method = spec.get("spec_method") or tier.method
+    fallback = own_fallback or (tier.fallback if tier.fallback and tier.fallback != method else None)
     return RequestConfig(sampling=sampling, stream=stream, include_prompt=include, tier=tier.name,
                          priority=tier.priority, fallback_method=fallback, **spec)
 

@@ -5,7 +5,7 @@ is tier_control.py's.
     tiers:
       - name: vip                 # → ensemble llm_vip, first step preprocess_vip
         method: dspark            # the tier's speculation method
-        fallback: eagle           # used when the method's drafter is unavailable (Tier.fallback)
+        fallback: eagle           # runs instead: drafter unavailable, dflash's guard and gate
         priority: 9               # 0..9, higher is admitted first when the engine's slots are full
         proposer:
           max_draft_len: 6        # → the request's num_draft_tokens
