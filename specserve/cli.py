@@ -165,12 +165,12 @@ def _interrupt(signum, frame) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from specserve.triton.factory import PROPOSERS, resolve_device, static_methods
+    from specserve.triton.factory import resolve_device, served_methods
     from specserve.triton.launch import ServerStartError, WorkDirLock
 
     max_len = check_checkpoint(args.target, args.max_model_len)
     drafters = resolve_drafters(args.target, args.drafter, args.no_drafters)
-    methods = ["none", *PROPOSERS, *(m for m, _ in drafters), *static_methods(drafters)]
+    methods = served_methods(drafters)
     try:
         resolve_device(args.device)
     except ValueError as e:

@@ -31,8 +31,13 @@ PROPOSERS: dict[str, Callable[[], "Proposer"]] = {
     "ngram": _ngram,
 }
 
-# Methods that need a trained drafter (given per deployment in EngineSettings.drafters).
-DRAFTED = ("eagle",)
+# Methods that need a trained drafter (given per deployment in EngineSettings.drafters). The `mtp`
+# drafter folder holds the multi-token-prediction heads, one of mtp's sub-proposers (below).
+DRAFTED = ("eagle", "mtp")
+# Composite methods, built from the other served proposers: `mtp` (specserve.proposers.multi_draft)
+# merges the drafts of every served sub-proposer in one tree. Sub-proposer → the method whose
+# drafter it is (None: needs none). mtp is served as soon as one trained sub-proposer is.
+MTP_SUBPROPOSERS = {"mtp_heads": "mtp", "eagle": "eagle", "draft": "draft", "ngram": None}
 # Methods built from another method's drafter: dspark runs the served EAGLE drafter fused, as one
 # static step (specserve.proposers.dspark), whichever placement EAGLE itself uses.
 STATIC_METHODS = {"dspark": "eagle"}
@@ -85,8 +90,18 @@ def static_methods(drafters: tuple[tuple[str, str], ...]) -> list[str]:
     return [m for m, base in STATIC_METHODS.items() if base in served]
 
 
+def composite_methods(drafters: tuple[tuple[str, str], ...]) -> list[str]:
+    served = {m for m, _ in drafters}
+    trained = {m for m in MTP_SUBPROPOSERS.values() if m}
+    return ["mtp"] if served & trained and "mtp" not in served else []
+
+
+def served_methods(drafters: tuple[tuple[str, str], ...]) -> list[str]:
+    return ["none", *PROPOSERS, *(m for m, _ in drafters), *static_methods(drafters), *composite_methods(drafters)]
+
+
 def available_methods(settings: EngineSettings) -> list[str]:
-    return ["none", *PROPOSERS, *(m for m, _ in settings.drafters), *static_methods(settings.drafters)]
+    return served_methods(settings.drafters)
 
 
 def resolve_device(name: str) -> "torch.device":
@@ -119,6 +134,29 @@ def _static(method: str, folder: str, model, settings: EngineSettings, max_len: 
         folder, model, dtype=resolve_drafter_dtype(settings.drafter_dtype, model))
     return DSParkProposer(drafter, model, max_num_seqs=settings.max_num_seqs, max_model_len=max_len,
                           max_draft_len=settings.max_draft_len, threshold=settings.spec_threshold)
+
+
+def _mtp_heads(folder: str, model, settings: EngineSettings, max_len: int) -> "Proposer":
+    try:
+        from specserve.proposers.mtp import MTPHeadsProposer, load_mtp_heads
+    except ImportError as e:
+        raise ValueError(f"--drafter mtp={folder}: the MTP heads proposer is not available ({e})") from None
+    heads = load_mtp_heads(folder, model, dtype=resolve_drafter_dtype(settings.drafter_dtype, model))
+    return MTPHeadsProposer(heads, model, max_draft_len=settings.max_draft_len)
+
+
+def _mtp(proposers: dict, folder: str | None, model, settings: EngineSettings, max_len: int) -> "Proposer":
+    """The `mtp` method over every served sub-proposer, sharing the served methods' instances."""
+    from specserve.proposers.multi_draft import MultiDraftProposer
+
+    subs = [proposers[m] for sub, m in MTP_SUBPROPOSERS.items() if m and sub != "mtp_heads" and m in proposers]
+    subs.append(proposers["ngram"])
+    if folder:
+        subs.append(_mtp_heads(folder, model, settings, max_len))
+    if settings.placement == "remote":
+        from specserve.proposers.remote_mtp import remote_mtp
+        return remote_mtp(settings, [p.name for p in subs])
+    return MultiDraftProposer(subs, max_draft_len=settings.max_draft_len, vocab_size=model.cfg.vocab_size)
 
 
 def _drafted(method: str, folder: str, model, settings: EngineSettings, max_len: int) -> "Proposer":
@@ -163,7 +201,10 @@ def build_engine(settings: EngineSettings):
                           max_queue_len=settings.max_queue_len, draft_policy=settings.draft_policy)
     proposers = {name: make() for name, make in PROPOSERS.items()}
     for method, folder in settings.drafters:
-        proposers[method] = _drafted(method, folder, model, settings, max_len)
+        if method != "mtp":
+            proposers[method] = _drafted(method, folder, model, settings, max_len)
+    if "mtp" in served_methods(settings.drafters):
+        proposers["mtp"] = _mtp(proposers, dict(settings.drafters).get("mtp"), model, settings, max_len)
     for method, base in STATIC_METHODS.items():
         folder = dict(settings.drafters).get(base)
         if folder:

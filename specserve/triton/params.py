@@ -31,10 +31,16 @@ SAMPLING_KEYS: dict[str, str] = {
     "num_draft_tokens": _INT,
     "spec_threshold": _NUM,
     "draft_policy": "a string",
+    "mtp_proposers": "a list of strings",
+    "mtp_tree_budget": _INT,
 }
 # The draft policy, not sampling. draft_policy: "adaptive" (the engine picks each step's draft
 # length for the best expected goodput at the current load) or "fixed" (always the full length).
 SPEC_KEYS = ("spec_method", "num_draft_tokens", "spec_threshold", "draft_policy")
+# Method options (GenerationRequest.options), checked for type here and for meaning by the
+# method's proposer: mtp_proposers = the sub-proposers whose drafts `mtp` merges for this request
+# (of those served), mtp_tree_budget = the merged tree's nodes at most (≤ the server's max_draft_len).
+OPTION_KEYS = ("mtp_proposers", "mtp_tree_budget")
 
 
 class BadRequest(ValueError):
@@ -53,6 +59,7 @@ class RequestConfig:
     tier: str = "default"
     # The tier's fallback method (tiers.py), set when the request runs the tier's own method.
     fallback_method: str | None = None
+    options: dict[str, Any] | None = None   # OPTION_KEYS the request (or its tier) set
     # The tier's scheduling priority (tiers.py; never a client's key): higher is admitted first
     # when the engine's slots are full (specserve/admission.py).
     priority: int = 0
@@ -105,6 +112,8 @@ def _check_type(key: str, value: Any) -> Any:
             return value
     if key in ("spec_method", "draft_policy") and isinstance(value, str):
         return value
+    if key == "mtp_proposers" and isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return value
     raise BadRequest(f"sampling_parameters.{key} must be {kind}, got {json.dumps(value)}")
 
 
@@ -131,6 +140,9 @@ def parse_sampling_parameters(raw: str | bytes | None) -> tuple[dict[str, Any], 
                          f"allowed: {', '.join(SAMPLING_KEYS)}")
     checked = {k: _check_type(k, v) for k, v in obj.items()}
     spec = {k: checked.pop(k) for k in SPEC_KEYS if k in checked}
+    options = {k: checked.pop(k) for k in OPTION_KEYS if k in checked}
+    if options:
+        spec["options"] = options
     return checked, spec
 
 
@@ -165,6 +177,14 @@ def apply_tier(tier: "Tier", sampling: dict[str, Any], spec: dict[str, Any]) -> 
     for key, value in tier_spec.items():
         if key not in spec and value is not None:
             spec[key] = value
+    tier_options = {"mtp_proposers": None if tier.proposers is None else list(tier.proposers),
+                    "mtp_tree_budget": tier.tree_budget}
+    options = dict(spec.get("options") or {})
+    for key, value in tier_options.items():
+        if key not in options and value is not None and spec.get("spec_method") == "mtp":
+            options[key] = value
+    if options:
+        spec["options"] = options
     if tier.max_tokens is not None:
         asked = sampling.get("max_tokens")
         if asked is None:

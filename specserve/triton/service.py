@@ -119,7 +119,7 @@ class VerifierService:
         req = GenerationRequest(rid, list(prompt_ids), params, config.spec_method,
                                 num_draft_tokens=config.num_draft_tokens, spec_threshold=config.spec_threshold,
                                 draft_policy=config.draft_policy, priority=config.priority,
-                                fallback_method=config.fallback_method)
+                                fallback_method=config.fallback_method, options=config.options)
         method = config.spec_method or self.engine.cfg.default_method
         num_sent = 0 if config.include_prompt else len(prompt_ids)
         stream = _Stream(rid, sender, config, method, list(prompt_ids), len(prompt_ids), num_sent)
