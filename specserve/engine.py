@@ -125,8 +125,8 @@ class SpecStats:
                 "acceptance_rate_per_position": [round(r, 4) for r in rates],
                 "proposer_errors": self.proposer_errors,
                 "draft_seconds": round(self.draft_seconds, 6), "verify_seconds": round(self.verify_seconds, 6),
-                **({"accepted_by_proposer": dict(self.accepted_by_proposer)} if self.accepted_by_proposer else {}),
-                **({"proposer_skipped": dict(self.proposer_skipped)} if self.proposer_skipped else {})}
+                "accepted_by_proposer": dict(self.accepted_by_proposer),
+                "proposer_skipped": dict(self.proposer_skipped)}
 
 
 @dataclass
