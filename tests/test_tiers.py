@@ -205,8 +205,10 @@ def test_tier_model_names_derive_from_the_schema():
 
 def test_drafter_models_derive_from_the_proposal_registry():
     from specserve.triton import drafters
-    assert drafters.DRAFTER_MODELS == ("eagle_proposal", "eagle_backbone", "calibration_head")
-    assert drafters.PARTS == {"eagle_proposal": ("eagle_backbone", "calibration_head")}
+    assert drafters.DRAFTER_MODELS == ("eagle_proposal", "eagle_backbone", "calibration_head", "mtp_proposal",
+                                       "ngram_drafter", "mtp_arbiter")
+    assert drafters.PARTS == {"eagle_proposal": ("eagle_backbone", "calibration_head"),
+                              "mtp_proposal": ("eagle_backbone", "calibration_head", "ngram_drafter", "mtp_arbiter")}
 
 
 # -- priority admission, with a full engine ------------------------------------------------------------

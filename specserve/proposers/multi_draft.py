@@ -39,6 +39,23 @@ OPT_PROPOSERS, OPT_BUDGET = "mtp_proposers", "mtp_tree_budget"
 DEFAULT_DEPTH = 8   # tokens drafted per sub-proposer per step, at most
 
 
+def check_options(options: dict, served: tuple[str, ...], max_draft_len: int) -> None:
+    """Per-request options (types already checked by triton/params.py); ValueError for the client."""
+    names = options.get(OPT_PROPOSERS)
+    if names is not None:
+        if not names:
+            raise ValueError(f"{OPT_PROPOSERS} must name at least one proposer")
+        for n in names:
+            if n not in SUBPROPOSERS:
+                raise ValueError(f"{OPT_PROPOSERS}: unknown proposer {n!r}; known: {', '.join(SUBPROPOSERS)}")
+            if n not in served:
+                raise ValueError(f"{OPT_PROPOSERS}: proposer {n!r} is not served here; served: {', '.join(served)}")
+    budget = options.get(OPT_BUDGET)
+    if budget is not None and not 1 <= budget <= max_draft_len:
+        raise ValueError(f"{OPT_BUDGET} must be an integer in [1, {max_draft_len}] (the server's "
+                         f"max_draft_len), got {budget}")
+
+
 @dataclass
 class _Row:
     """What the last step drafted for one sequence: per sub-proposer its draft and where each of
@@ -115,20 +132,7 @@ class MultiDraftProposer:
 
     # -- per-request options ------------------------------------------------------------------
     def check_options(self, options: dict) -> None:
-        names = options.get(OPT_PROPOSERS)
-        if names is not None:
-            if not names:
-                raise ValueError(f"{OPT_PROPOSERS} must name at least one proposer")
-            for n in names:
-                if n not in SUBPROPOSERS:
-                    raise ValueError(f"{OPT_PROPOSERS}: unknown proposer {n!r}; known: {', '.join(SUBPROPOSERS)}")
-                if n not in self.subs:
-                    raise ValueError(f"{OPT_PROPOSERS}: proposer {n!r} is not served here; served: "
-                                     f"{', '.join(self.subs)}")
-        budget = options.get(OPT_BUDGET)
-        if budget is not None and not 1 <= budget <= self.max_draft_len:
-            raise ValueError(f"{OPT_BUDGET} must be an integer in [1, {self.max_draft_len}] (the server's "
-                             f"max_draft_len), got {budget}")
+        check_options(options, tuple(self.subs), self.max_draft_len)
 
     def _settings(self, r: DraftRequest) -> tuple[list[str], int]:
         opts = r.options or {}

@@ -19,6 +19,9 @@ travel as model config parameters, because ensembles cannot carry constants (DES
                          backend; tensorrt: 1/model.plan for its tensorrt backend; see
                          drafter_backends.py)
       eagle_proposal/   config.pbtxt  1/            (ensemble: backbone → calibration head)
+      ngram_drafter/    config.pbtxt  1/model.py    (when mtp is served: remote_mtp.py)
+      mtp_arbiter/      config.pbtxt  1/model.py
+      mtp_proposal/     config.pbtxt  1/            (ensemble: EAGLE models ∥ ngram_drafter → mtp_arbiter)
 """
 
 from __future__ import annotations
@@ -161,11 +164,28 @@ def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
     for tier in settings.tiers:
         render_tier(tier, params[schema.PREPROCESS.name], repo)
     if settings.placement == "remote":
+        from specserve.triton.factory import served_methods
+
         for method, folder in settings.drafters:
-            render_eagle_proposal(Path(settings.checkpoint), Path(folder), repo, version=1,
-                                  backend=settings.drafter_backend, max_num_seqs=settings.max_num_seqs,
-                                  max_draft_len=settings.max_draft_len)
+            if method == "eagle":
+                render_eagle_proposal(Path(settings.checkpoint), Path(folder), repo, version=1,
+                                      backend=settings.drafter_backend, max_num_seqs=settings.max_num_seqs,
+                                      max_draft_len=settings.max_draft_len)
+        if "mtp" in served_methods(settings.drafters) and (repo / schema.EAGLE_PROPOSAL.name).is_dir():
+            render_mtp_proposal(repo)
     return repo
+
+
+def render_mtp_proposal(repo: Path) -> None:
+    """ngram_drafter and mtp_arbiter (stateless Python models) and the mtp_proposal ensemble,
+    which reuses the EAGLE models render_eagle_proposal wrote."""
+    proposal, steps = schema.REMOTE_PROPOSALS[schema.MTP_PROPOSAL.name]
+    for spec in (schema.NGRAM_DRAFTER, schema.MTP_ARBITER):
+        (repo / spec.name / "1").mkdir(parents=True, exist_ok=True)
+        shutil.copy2(TEMPLATES / spec.name / "1" / "model.py", repo / spec.name / "1" / "model.py")
+        (repo / spec.name / "config.pbtxt").write_text(python_model_config(spec, {}))
+    (repo / proposal.name / "1").mkdir(parents=True, exist_ok=True)
+    (repo / proposal.name / "config.pbtxt").write_text(ensemble_config(proposal, steps))
 
 
 def tier_parameters(preprocess_params: dict[str, object], tier: Tier) -> dict[str, object]:
