@@ -23,7 +23,7 @@ from specserve.triton import drafters
 from specserve.triton.client import CompletionError, StreamClient
 from specserve.triton.launch import TritonServer
 from specserve.triton.render import RepositorySettings, render_repository
-from streams import during_streams
+from streams import during_streams, scrape_metrics
 from test_eagle import random_drafter
 
 pytestmark = pytest.mark.triton
@@ -118,6 +118,15 @@ def test_greedy_mtp_equals_none(request, placement):
     names = {m.name: m.state for m in drafters.list_models(srv.grpc_url, srv.admin_key)}
     if placement == "remote":
         assert all(names[m] == "READY" for m in ("mtp_proposal", "ngram_drafter", "mtp_arbiter"))
+        name = "specserve_spec_decode_num_accepted_tokens_per_proposer_total"
+        deadline = time.monotonic() + 10   # metrics are sent from a worker thread
+        while True:
+            got = {p for k in scrape_metrics(srv.metrics_url) if k.startswith(name) and 'method="mtp"' in k
+                   for p in ("eagle", "ngram") if f'proposer="{p}"' in k}
+            if got == {"eagle", "ngram"} or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert got == {"eagle", "ngram"}
     else:
         assert "mtp_proposal" not in names
 

@@ -77,6 +77,7 @@ class _Stream:
     # Cumulative SpecStats already reported to metrics, so each output reports only its delta.
     reported: tuple[int, int, int] = (0, 0, 0)
     reported_per_position: list[int] = field(default_factory=list)
+    reported_by_proposer: dict[str, int] = field(default_factory=dict)
     # Once the final flag is out, Triton frees the request's response factory, and touching the
     # sender again (even is_cancelled) crashes tritonserver 2.51 (use after free). `done` records
     # that, under `lock`, which every final send and every is_cancelled call holds.
@@ -260,6 +261,12 @@ class VerifierService:
         if any(delta) or any(delta_pos):
             _quietly(self.metrics.spec_step, s.method, s.config.tier, *delta, delta_pos)
         s.reported, s.reported_per_position = now, per_pos
+        by = st.accepted_by_proposer
+        delta_by = {k: n - s.reported_by_proposer.get(k, 0) for k, n in by.items() if n != s.reported_by_proposer.get(k, 0)}
+        report = getattr(self.metrics, "accepted_by_proposer", None)   # optional in a MetricsSink
+        if delta_by and report is not None:
+            _quietly(report, s.method, s.config.tier, delta_by)
+        s.reported_by_proposer = dict(by)
 
     def _on_state(self, state: LoopState) -> None:
         if self.metrics is not None:
