@@ -127,15 +127,15 @@ def resolve_drafters(target: Path, flags: list[str], disabled: bool) -> tuple[tu
     """--drafter METHOD=DIR flags, else an EAGLE drafter found beside the target."""
     import json
 
-    from specserve.triton.factory import DRAFTED
+    from specserve.triton.factory import COMPOSITE_METHODS, DRAFTED
 
     pairs = []
     for flag in flags:
         method, sep, folder = flag.partition("=")
         if not sep or not folder:
             raise CliError(f"--drafter expects METHOD=DIR, got {flag!r}")
-        if method not in DRAFTED:
-            raise CliError(f"--drafter: unknown method {method!r}; drafters: {', '.join(DRAFTED)}")
+        if method not in (*DRAFTED, *COMPOSITE_METHODS):
+            raise CliError(f"--drafter: unknown method {method!r}; drafters: {', '.join((*DRAFTED, *COMPOSITE_METHODS))}")
         if not (Path(folder) / "config.json").is_file():
             raise CliError(f"--drafter {flag}: {folder} has no config.json")
         pairs.append((method, folder))

@@ -31,16 +31,17 @@ PROPOSERS: dict[str, Callable[[], "Proposer"]] = {
     "ngram": _ngram,
 }
 
-# Methods that need a trained drafter (given per deployment in EngineSettings.drafters). The `mtp`
-# drafter folder holds the multi-token-prediction heads, one of mtp's sub-proposers (below).
-DRAFTED = ("eagle", "mtp")
-# Composite methods, built from the other served proposers: `mtp` (specserve.proposers.multi_draft)
-# merges the drafts of every served sub-proposer in one tree. Sub-proposer → the method whose
-# drafter it is (None: needs none). mtp is served as soon as one trained sub-proposer is.
-MTP_SUBPROPOSERS = {"mtp_heads": "mtp", "eagle": "eagle", "draft": "draft", "ngram": None}
+# Methods that need a trained drafter (given per deployment in EngineSettings.drafters).
+DRAFTED = ("eagle",)
 # Methods built from another method's drafter: dspark runs the served EAGLE drafter fused, as one
 # static step (specserve.proposers.dspark), whichever placement EAGLE itself uses.
 STATIC_METHODS = {"dspark": "eagle"}
+# Composite methods, built from the other served proposers: `mtp` (specserve.proposers.multi_draft)
+# merges the drafts of every served sub-proposer in one tree; served as soon as one trained
+# sub-proposer is. Its own drafter folder (`--drafter mtp=DIR`, optional) holds the MTP heads.
+# Sub-proposer → the method whose drafter it is (None: needs none).
+COMPOSITE_METHODS = ("mtp",)
+MTP_SUBPROPOSERS = {"mtp_heads": "mtp", "eagle": "eagle", "draft": "draft", "ngram": None}
 PLACEMENTS = ("fused", "remote")
 DTYPES = ("float32", "bfloat16")
 DRAFTER_DTYPES = ("auto", *DTYPES)

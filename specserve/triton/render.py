@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specserve.triton import schema
@@ -163,15 +163,15 @@ def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
         ensemble_config(schema.ENSEMBLE, schema.ENSEMBLE_STEPS))
     for tier in settings.tiers:
         render_tier(tier, params[schema.PREPROCESS.name], repo)
+    # Below, only drafters with remote models: mtp's own (the MTP heads) runs fused in either
+    # placement (remote_mtp.py).
+    settings = replace(settings, drafters=tuple((m, f) for m, f in settings.drafters if m != "mtp"))
     if settings.placement == "remote":
-        from specserve.triton.factory import served_methods
-
         for method, folder in settings.drafters:
-            if method == "eagle":
-                render_eagle_proposal(Path(settings.checkpoint), Path(folder), repo, version=1,
-                                      backend=settings.drafter_backend, max_num_seqs=settings.max_num_seqs,
-                                      max_draft_len=settings.max_draft_len)
-        if "mtp" in served_methods(settings.drafters) and (repo / schema.EAGLE_PROPOSAL.name).is_dir():
+            render_eagle_proposal(Path(settings.checkpoint), Path(folder), repo, version=1,
+                                  backend=settings.drafter_backend, max_num_seqs=settings.max_num_seqs,
+                                  max_draft_len=settings.max_draft_len)
+        if (repo / schema.EAGLE_PROPOSAL.name).is_dir():   # mtp is served wherever EAGLE is
             render_mtp_proposal(repo)
     return repo
 

@@ -100,9 +100,9 @@ def default_tier() -> Tier:
 
 
 def known_methods() -> tuple[str, ...]:
-    from specserve.triton.factory import DRAFTED, PROPOSERS, STATIC_METHODS
+    from specserve.triton.factory import COMPOSITE_METHODS, DRAFTED, PROPOSERS, STATIC_METHODS
 
-    return ("none", *PROPOSERS, *DRAFTED, *STATIC_METHODS, *PLANNED_METHODS)
+    return ("none", *PROPOSERS, *DRAFTED, *STATIC_METHODS, *PLANNED_METHODS, *COMPOSITE_METHODS)
 
 
 def mtp_subproposers() -> tuple[str, ...]:
@@ -183,7 +183,7 @@ def parse_tier(raw: Any, server: ServerLimits, index: int) -> Tier:
         got["tree_budget"] = _int_in(where, "proposer.tree_budget", prop["tree_budget"], *TREE_BUDGET_RANGE)
     if "proposers" in prop:
         ps = prop["proposers"]
-        known = mtp_subproposers()
+        known = [m for m in known_methods() if m not in ("none", "mtp")]
         if not isinstance(ps, list) or not ps or any(p not in known for p in ps):
             raise TierError(f"{where}: proposer.proposers must be a non-empty list of {', '.join(known)}, "
                             f"got {json.dumps(ps)}")
