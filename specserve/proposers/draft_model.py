@@ -187,7 +187,9 @@ class DraftModelProposer:
             del st.tokens[keep:]
             self.cache.truncate(st.slot, keep)
             new.append(list(r.token_ids[keep:]))
-        logits = torch.zeros(len(requests), self.draft.cfg.vocab_size)
+        # On the draft model's device: a sampled row draws with the request's generator, which
+        # lives on the engine's device.
+        logits = torch.zeros(len(requests), self.draft.cfg.vocab_size, device=self.draft.device)
         # Padding is written to the cache too (after each row's tokens): a row with a long catch-up
         # (a new sequence's prompt) must not pad a row that is already far along past the pool.
         groups: dict[bool, list[int]] = {}
@@ -200,7 +202,7 @@ class DraftModelProposer:
             else:
                 chunks = [idx]
             for chunk in chunks:
-                logits[chunk] = self._forward([states[b] for b in chunk], [new[b] for b in chunk]).cpu()
+                logits[chunk] = self._forward([states[b] for b in chunk], [new[b] for b in chunk])
         return logits
 
     @torch.inference_mode()
@@ -233,7 +235,7 @@ class DraftModelProposer:
                 probs[b].append(q)
             active = [b for b in active if len(tokens[b]) < limits[b]]
             if active:
-                logits[active] = self._forward([states[b] for b in active], [[tokens[b][-1]] for b in active]).cpu()
+                logits[active] = self._forward([states[b] for b in active], [[tokens[b][-1]] for b in active])
         return [Draft.chain(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
 
     def observe(self, outcomes: list[StepOutcome]) -> None:
