@@ -46,8 +46,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="speculation method for requests that do not set spec_method "
                         "(default: eagle when a drafter is served, else none)")
     p.add_argument("--drafter", action="append", default=[], metavar="METHOD=DIR",
-                   help="serve a trained drafter, e.g. eagle=models/demo/eagle (repeatable); "
-                        "without it, an EAGLE drafter in a folder 'eagle' beside the target is used")
+                   help="serve a trained drafter, e.g. eagle=models/demo/eagle or draft=models/demo/draft "
+                        "(repeatable); without it, drafters in folders named after their method "
+                        "beside the target are used")
     p.add_argument("--no-drafters", action="store_true", help="serve no drafter even if one is found")
     p.add_argument("--placement", choices=("fused", "remote"), default="fused",
                    help="drafters inside the engine (fused) or as hot-loadable Triton models (remote, "
@@ -141,9 +142,10 @@ def resolve_drafters(target: Path, flags: list[str], disabled: bool) -> tuple[tu
         pairs.append((method, folder))
     if disabled:
         return ()
-    beside = target.resolve().parent / "eagle" / "config.json"
-    if not pairs and beside.is_file() and json.loads(beside.read_text()).get("specserve_drafter") == "eagle":
-        pairs.append(("eagle", str(beside.parent)))
+    for method in DRAFTED if not pairs else ():  # e.g. models/demo/eagle, models/demo/draft
+        beside = target.resolve().parent / method / "config.json"
+        if beside.is_file() and json.loads(beside.read_text()).get("specserve_drafter") == method:
+            pairs.append((method, str(beside.parent)))
     return tuple(pairs)
 
 
@@ -207,6 +209,7 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
                 drafters: tuple[tuple[str, str], ...]) -> int:
     from specserve.triton import drafter_backends
     from specserve.triton.auth import resolve_admin_key
+    from specserve.triton.factory import FUSED_ONLY
     from specserve.triton.launch import Ports, ServerStartError, TritonServer, prepare_backends
     from specserve.triton.render import RepositorySettings, render_repository
 
@@ -242,7 +245,8 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
     print(f"specserve: serving {args.target} (max_model_len={max_len}, max_num_seqs={args.max_num_seqs}, "
           f"methods: {', '.join(methods)}; default {args.default_method}; {args.dtype} on {args.device}) from {repo}", flush=True)
     for method, folder in drafters:
-        print(f"specserve: drafter {method} from {folder} ({args.placement})", flush=True)
+        where = "fused: no remote export" if method in FUSED_ONLY and args.placement == "remote" else args.placement
+        print(f"specserve: drafter {method} from {folder} ({where})", flush=True)
     # One try around everything after start: a signal can arrive at any point (even between
     # "ready" and the wait), and every exit path must take tritonserver down with us.
     try:

@@ -32,7 +32,11 @@ PROPOSERS: dict[str, Callable[[], "Proposer"]] = {
 }
 
 # Methods that need a trained drafter (given per deployment in EngineSettings.drafters).
-DRAFTED = ("eagle",)
+DRAFTED = ("eagle", "draft")
+# Drafted methods that run in the engine's process in either placement (the remote placement
+# moves the others out): "draft" is a separate small LM with its own KV cache
+# (specserve.proposers.draft_model), which has no remote export.
+FUSED_ONLY = ("draft",)
 # Methods built from another method's drafter: dspark runs the served EAGLE drafter fused, as one
 # static step (specserve.proposers.dspark), whichever placement EAGLE itself uses.
 STATIC_METHODS = {"dspark": "eagle"}
@@ -165,6 +169,8 @@ def _drafted(method: str, folder: str, model, settings: EngineSettings, max_len:
         raise ValueError(f"unknown drafter method {method!r}; drafters: {', '.join(DRAFTED)}")
     if settings.placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {settings.placement!r}")
+    if method in FUSED_ONLY:
+        return _draft_model(folder, model, settings, max_len)
     if settings.placement == "remote":
         from specserve.proposers.remote import RemoteProposer
         from specserve.triton import bls
@@ -177,6 +183,16 @@ def _drafted(method: str, folder: str, model, settings: EngineSettings, max_len:
     return EagleProposer(drafter, model, max_num_seqs=settings.max_num_seqs,
                          max_model_len=max_len, max_draft_len=settings.max_draft_len,
                          threshold=settings.spec_threshold, name=method)
+
+
+def _draft_model(folder: str, model, settings: EngineSettings, max_len: int) -> "Proposer":
+    from specserve.proposers.draft_model import DraftModelProposer, load_draft_model
+
+    # Refuses a draft model whose tokenizer does not give the target's ids (check_tokenizer).
+    draft = load_draft_model(folder, model, load_tokenizer(settings.checkpoint),
+                             dtype=resolve_drafter_dtype(settings.drafter_dtype, model))
+    return DraftModelProposer(draft, max_num_seqs=settings.max_num_seqs, max_model_len=max_len,
+                              max_draft_len=settings.max_draft_len)
 
 
 def default_max_model_len(checkpoint: str | Path) -> int:

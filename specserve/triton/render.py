@@ -33,6 +33,7 @@ from pathlib import Path
 
 from specserve.triton import schema
 from specserve.triton.auth import new_key
+from specserve.triton.factory import FUSED_ONLY
 from specserve.triton.schema import ModelSpec, TensorSpec
 from specserve.triton.tiers import Tier
 
@@ -168,6 +169,8 @@ def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
     settings = replace(settings, drafters=tuple((m, f) for m, f in settings.drafters if m != "mtp"))
     if settings.placement == "remote":
         for method, folder in settings.drafters:
+            if method in FUSED_ONLY:
+                continue  # runs inside the engine in either placement (factory.FUSED_ONLY)
             render_eagle_proposal(Path(settings.checkpoint), Path(folder), repo, version=1,
                                   backend=settings.drafter_backend, max_num_seqs=settings.max_num_seqs,
                                   max_draft_len=settings.max_draft_len)
