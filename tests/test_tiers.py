@@ -56,7 +56,7 @@ BAD = [
     (_one(proposer={"block_size": 16}), "tier 't': proposer.block_size applies to method dflash only, not 'ngram'"),
     (_one(proposer={"tree_budget": 0}), "tier 't': proposer.tree_budget must be an integer in [1, 64], got 0"),
     (_one(proposer={"proposers": ["eagle", "medusa"]}),
-     "tier 't': proposer.proposers must be a non-empty list of ngram, eagle, draft, dspark, dflash, got [\"eagle\", \"medusa\"]"),
+     "tier 't': proposer.proposers must be a non-empty list of mtp_heads, eagle, draft, ngram, got [\"eagle\", \"medusa\"]"),
     (_one(priorty=3), "tier 't': unknown key(s) priorty; allowed: name, method, fallback, priority, proposer, limits"),
     (_one(proposer={"draft_len": 3}), "tier 't' proposer: unknown key(s) draft_len; allowed: max_draft_len, "
                                       "spec_threshold, draft_policy, block_size, tree_budget, proposers"),
@@ -463,7 +463,7 @@ def test_serve_refuses_a_bad_tiers_file_naming_tier_and_key(tmp_path, capsys):
     assert _serve(tmp_path, "--tiers", str(bad)) == 2
     assert capsys.readouterr().err == (
         f"specserve: error: --tiers {bad}: tier 'batch': method 'dflash' is not available on this server "
-        f"(not built yet); available here: none, ngram, eagle, draft, dspark\n")
+        f"(not built yet); available here: none, ngram, eagle, draft, dspark, mtp\n")
     assert not (tmp_path / "work" / "model_repository").exists()
 
 

@@ -17,6 +17,7 @@ in-process by tests).
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Callable
 
@@ -27,6 +28,8 @@ from specserve.proposers.base import Draft, DraftRequest
 from specserve.proposers.multi_draft import OPT_BUDGET, OPT_PROPOSERS, SUBPROPOSERS
 from specserve.proposers.ngram import NgramProposer, lookup
 from specserve.proposers.remote import Call, RemoteProposer
+
+log = logging.getLogger("specserve.remote_mtp")
 
 # The sub-proposers the remote ensemble runs (the MTP heads and the draft model are fused only).
 REMOTE_SUBPROPOSERS = ("eagle", "ngram")
@@ -152,14 +155,16 @@ class RemoteMTPProposer(RemoteProposer):
 
 
 def remote_mtp(settings, served: list[str]) -> RemoteMTPProposer:
-    """The remote `mtp` proposer of a deployment (factory._mtp): served sub-proposers that the
-    remote ensemble cannot run are refused, not silently dropped."""
+    """The remote `mtp` proposer of a deployment (factory._mtp). Served sub-proposers that have no
+    remote model (the MTP heads, the draft model) are not part of remote mtp; said in the log, and
+    a request naming one is told it is not served."""
     from specserve.proposers.arbiter import DEFAULT_BUDGET
     from specserve.triton import bls
 
-    fused_only = [n for n in served if n not in REMOTE_SUBPROPOSERS]
-    if fused_only:
-        raise ValueError(f"remote mtp runs the sub-proposers {', '.join(REMOTE_SUBPROPOSERS)}; "
-                         f"{', '.join(fused_only)} run fused only (serve with --placement fused)")
+    left_out = [n for n in served if n not in REMOTE_SUBPROPOSERS]
+    if left_out:
+        log.warning("remote mtp merges %s; %s run fused only and are left out of it (serve with "
+                    "--placement fused to include them)", ", ".join(REMOTE_SUBPROPOSERS), ", ".join(left_out))
+    served = [n for n in served if n in REMOTE_SUBPROPOSERS]
     return RemoteMTPProposer(bls.mtp_call(), served=tuple(served), max_draft_len=settings.max_draft_len,
                              budget=DEFAULT_BUDGET, threshold=settings.spec_threshold, release=bls.release_call())

@@ -147,7 +147,7 @@ def _mtp_heads(folder: str, model, settings: EngineSettings, max_len: int) -> "P
     except ImportError as e:
         raise ValueError(f"--drafter mtp={folder}: the MTP heads proposer is not available ({e})") from None
     heads = load_mtp_heads(folder, model, dtype=resolve_drafter_dtype(settings.drafter_dtype, model))
-    return MTPHeadsProposer(heads, model, max_draft_len=settings.max_draft_len)
+    return MTPHeadsProposer(heads, max_draft_len=settings.max_draft_len)
 
 
 def _mtp(proposers: dict, folder: str | None, model, settings: EngineSettings, max_len: int) -> "Proposer":

@@ -183,7 +183,7 @@ def parse_tier(raw: Any, server: ServerLimits, index: int) -> Tier:
         got["tree_budget"] = _int_in(where, "proposer.tree_budget", prop["tree_budget"], *TREE_BUDGET_RANGE)
     if "proposers" in prop:
         ps = prop["proposers"]
-        known = [m for m in known_methods() if m not in ("none", "mtp")]
+        known = mtp_subproposers()
         if not isinstance(ps, list) or not ps or any(p not in known for p in ps):
             raise TierError(f"{where}: proposer.proposers must be a non-empty list of {', '.join(known)}, "
                             f"got {json.dumps(ps)}")
