@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test demo serve bench engine-bench eagle-bench dspark-bench gpu-check clean
+.PHONY: install test demo serve bench engine-bench eagle-bench dspark-bench mtp-bench gpu-check clean
 
 install: $(STAMP)
 
@@ -46,6 +46,12 @@ bench: install
 # DSPark vs dynamic EAGLE vs none through Triton (C=1 and 16), span sets, step breakdown; a few minutes here.
 dspark-bench: install
 	$(PY) benchmarks/dspark_bench.py --prompts 4 --new-tokens 64 --out docs/dspark/cpu_fp32.json
+
+# MTP multi-draft vs none / eagle / the draft model through Triton, clean and typo'd held-out prompts,
+# plus the in-process tree-budget and per-proposer-cost sweeps; ~15 min here. Timing runs hold the
+# shared bench lock.
+mtp-bench: install
+	flock /tmp/specserve-bench.lock $(PY) benchmarks/mtp_bench.py --prompts 16 --new-tokens 64 --out docs/mtp/bench.json
 
 # On a GPU machine (NGC PyTorch container): GPU-marked tests + the bf16 8B-shape timing table
 # into docs/gpu/. Uses the machine's CUDA torch (GPU_PY, default python3), not .venv.
