@@ -309,3 +309,30 @@ def test_a_tier_sets_mtp_options_and_the_request_wins():
     assert cfg.spec_method == "mtp" and cfg.options == {"mtp_tree_budget": 4, "mtp_proposers": ["eagle", "ngram"]}
     other = make_request_config(json.dumps({"spec_method": "eagle"}), False, None, tier)
     assert other.options is None
+
+
+# -- the remote arbiter's batch function (what mtp_arbiter and ngram_drafter run) ---------------------
+def test_remote_arbiter_batch_carries_trees_with_parents_and_sources():
+    import numpy as np
+
+    from specserve.proposers.remote_mtp import arbitrate_batch, mask_of, names_of, ngram_batch
+
+    assert names_of(mask_of(["ngram", "eagle"])) == ("eagle", "ngram")
+    ctx = np.array([[1, 2, 3, 1, 2, -1], [7, 8, 9, 7, 8, 9]])
+    assert ngram_batch(ctx, np.array([2, 4])).tolist() == [[3, 1, -1], [7, 8, 9]]
+    scalars = np.zeros((2, 3, 3), dtype=np.float32)
+    scalars[:, :, 0] = [[0.9, 0.8, 0.5], [0.5, 0.5, 0.5]]   # EAGLE's top-1 probabilities
+    out = arbitrate_batch({
+        "draft_tokens": np.array([[3, 1, 5], [4, 4, 4]]), "draft_scalars": scalars,
+        "accept_prob": np.array([[0.9, 0.9, 0.1], [0.9, 0.9, 0.9]], dtype=np.float32),
+        "ngram_tokens": np.array([[3, 1, -1], [7, 8, 9]]),
+        "tree_budget": np.array([16, 2]), "proposer_mask": np.array([mask_of(["eagle", "ngram"]), mask_of(["ngram"])]),
+        "row_threshold": np.array([0.5, 0.0], dtype=np.float32)})
+    # row 0: EAGLE cut after 2 tokens (0.9 × 0.9 × 0.1 < 0.5), agreeing with n-gram on [3, 1]
+    assert out["tree_tokens"].tolist() == [[3, 1], [7, 8]]
+    assert out["tree_parents"].tolist() == [[-1, 0], [-1, 0]]
+    both, ngram = mask_of(["eagle", "ngram"]), mask_of(["ngram"])
+    assert out["tree_sources"].tolist() == [[both, both], [ngram, ngram]]
+    empty = arbitrate_batch({"tree_budget": np.array([4]), "proposer_mask": np.array([both]),
+                             "row_threshold": np.array([0.3], dtype=np.float32)})
+    assert empty["tree_tokens"].shape == (1, 0)
