@@ -30,13 +30,15 @@ def engine_with(target, draft, *, max_num_seqs=4, max_draft_len=5, max_model_len
 
 
 def reqs(method, prompts, n=30, **kw):
-    return [GenerationRequest(f"{method}{i}", p, SamplingParams(max_tokens=n, **kw), method) for i, p in enumerate(prompts)]
+    return [GenerationRequest(f"{method}{i}", p, SamplingParams(max_tokens=n, **kw), method)
+            for i, p in enumerate(prompts)]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("draft")
-    return load_model(make_tiny_checkpoint(root / "t", "llama", seed=21)), load_model(make_tiny_checkpoint(root / "d", "llama", seed=22))
+    target = load_model(make_tiny_checkpoint(root / "t", "llama", seed=21))
+    return target, load_model(make_tiny_checkpoint(root / "d", "llama", seed=22))
 
 
 def test_greedy_draft_equals_plain_decoding_batched(tiny):
