@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     steps = [r["step"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     a.plot(steps, smooth([r["loss"] for r in rows]))
-    a.set(xlabel="step", ylabel="soft CE vs the target's top-K" + (" (sum over heads)" if "top1_per_head" in rows[0] else ""), title=log.parent.name)
+    summed = " (sum over heads)" if "top1_per_head" in rows[0] else ""
+    a.set(xlabel="step", ylabel="soft CE vs the target's top-K" + summed, title=log.parent.name)
     if "top1_per_head" in rows[0]:
         for j in range(len(rows[0]["top1_per_head"])):
             b.plot(steps, smooth([r["top1_per_head"][j] for r in rows]), label=f"head {j} (token t+{j + 2})")

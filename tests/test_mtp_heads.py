@@ -104,11 +104,19 @@ def test_a_raise_consumes_no_features(tiny):
     f = torch.randn(3, tiny.cfg.hidden_size)
     greedy = SamplingParams(max_tokens=9)
     prop.propose([DraftRequest(0, [1, 2, 3, 4], 3, greedy, features=f)])
-    with pytest.raises(ProposerError, match=r"sequence 0: 5 features for 6 committed tokens"):
-        prop.propose([DraftRequest(0, [1, 2, 3, 4, 5, 6, 7], 3, greedy, features=f[:2])])
+    with pytest.raises(ProposerError) as e:
+        prop.propose([DraftRequest(0, [1, 2, 3, 4, 5, 6, 7], 3, greedy, features=None)])
+    assert str(e.value) == ("sequence 0: no feature for its last committed position 5 "
+                            "(the proposer holds the feature of position 2)")
     assert prop._seqs[0].committed == 3  # unchanged: the engine resends the features next call
-    prop.propose([DraftRequest(0, [1, 2, 3, 4, 5, 6, 7], 3, greedy, features=f)])
-    assert prop._seqs[0].committed == 6
+    # Only the newest row matters: features lost upstream do not poison later calls.
+    got = prop.propose([DraftRequest(0, [1, 2, 3, 4, 5, 6, 7], 3, greedy, features=f[:2])])
+    assert prop._seqs[0].committed == 6 and torch.equal(prop._seqs[0].feature, f[1])
+    assert got[0].tokens == prop.heads(f[1:2])[0].argmax(-1).tolist()
+    # Nothing new committed (no features): the stored row is still the newest.
+    assert prop.propose([DraftRequest(0, [1, 2, 3, 4, 5, 6, 7], 3, greedy)])[0].tokens == got[0].tokens
+    with pytest.raises(ProposerError, match=r"sequence 1: .* \(the proposer holds nothing\)"):
+        prop.propose([DraftRequest(1, [1, 2], 3, greedy)])
     prop.release(0)
     assert prop._seqs == {}
 

@@ -123,8 +123,9 @@ def save_draft_model(model: Transformer, folder: str | Path, *, tokenizer_from: 
            "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
            "rope_theta": c.rope.theta, "max_position_embeddings": c.max_position_embeddings,
            "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False,
-           "bos_token_id": c.bos_token_id, "eos_token_id": list(c.eos_token_ids) if len(c.eos_token_ids) != 1
-           else c.eos_token_ids[0], "torch_dtype": str(dtype).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch."),
+           "bos_token_id": c.bos_token_id,
+           "eos_token_id": list(c.eos_token_ids) if len(c.eos_token_ids) != 1 else c.eos_token_ids[0],
+           "torch_dtype": str(dtype).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch."),
            "specserve_drafter": "draft", **(extra_config or {})}
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for name in TOKENIZER_FILES:

@@ -217,16 +217,23 @@ class MTPHeadsProposer:
 
     def _last_features(self, requests: list[DraftRequest]) -> tuple[torch.Tensor, list[_SeqState]]:
         """[B, D] f_t per request and the states to store. Stores nothing (a raise here leaves the
-        engine holding the features, which it resends with the next call)."""
+        engine holding the features, which it resends with the next call).
+
+        The engine's features are those of the tokens committed since the last call, so their last
+        row is always f_t of the newest committed token: only that row is kept, and a call whose
+        features were lost upstream (a composite proposer that failed after taking them) does not
+        poison the next one. Without new features the stored row must already be the newest."""
         rows, states = [], []
         for r in requests:
             committed = len(r.token_ids) - 1  # the last token is pending: no feature yet
-            old = self._seqs.get(r.seq_id)
-            n = 0 if r.features is None else r.features.shape[0]
-            seen = (old.committed if old else 0) + n
-            if seen != committed or seen == 0:
-                raise ProposerError(f"sequence {r.seq_id}: {seen} features for {committed} committed tokens")
-            st = _SeqState(r.features[-1].to(self.dtype), committed) if n else old
+            if r.features is not None and r.features.shape[0] > 0:
+                st = _SeqState(r.features[-1].to(self.dtype), committed)
+            else:
+                st = self._seqs.get(r.seq_id)
+                if st is None or st.committed != committed:
+                    held = "nothing" if st is None else f"the feature of position {st.committed - 1}"
+                    raise ProposerError(f"sequence {r.seq_id}: no feature for its last committed position "
+                                        f"{committed - 1} (the proposer holds {held})")
             rows.append(st.feature)
             states.append(st)
         return torch.stack(rows), states
