@@ -184,12 +184,13 @@ def test_drafter_flag_and_discovery_beside_the_target(tmp_path):
     found = dict(resolve_drafters(target, [], False))
     assert Path(found["draft"]).resolve() == (DEMO / "draft").resolve()
     assert resolve_drafters(target, ["draft=models/demo/draft"], False) == (("draft", "models/demo/draft"),)
-    from specserve.triton.factory import DRAFTED
+    from specserve.triton.factory import COMPOSITE_METHODS, DRAFTED
 
     assert DRAFTED[:2] == ("eagle", "draft")
+    names = (*DRAFTED, *COMPOSITE_METHODS)   # --drafter mtp=DIR names mtp's MTP heads
     with pytest.raises(CliError) as e:
         resolve_drafters(target, ["dragt=models/demo/draft"], False)
-    assert str(e.value) == f"--drafter: unknown method 'dragt'; drafters: {', '.join(DRAFTED)}"
+    assert str(e.value) == f"--drafter: unknown method 'dragt'; drafters: {', '.join(names)}"
 
 
 def test_factory_builds_the_draft_method(tmp_path):
