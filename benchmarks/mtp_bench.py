@@ -15,9 +15,11 @@ typos per prompt). Per configuration and set: mean acceptance length, tokens/s, 
 none, and each proposer's share of accepted tokens (a token several proposers drafted counts for
 each, so shares can add up to more than 1). Greedy outputs must equal none's.
 
-Part 2 (in-process engine, same weights, clean prompts; no Triton: these isolate the method):
+Part 2 (in-process engine, same weights; no Triton: these isolate the method): on clean prompts,
 acceptance length and tokens/s against the tree budget (4, 8, 16, 32 nodes), and what each extra
-proposer costs per step (proposer sets grown one at a time; each sub-proposer's own call time).
+proposer costs per step (proposer sets grown one at a time; each sub-proposer's own call time);
+and robustness: eagle, draft, mtp and mtp_fast on the clean, typo'd and heavily typo'd prompts
+(docs/mtp/typo_prompts_heavy.jsonl: a typo in every second word).
 
     python benchmarks/mtp_bench.py [--prompts 16] [--new-tokens 64] [--out docs/mtp/bench.json]
 """
@@ -54,16 +56,22 @@ BUDGETS = (4, 8, 16, 32)
 GROWN = (["ngram"], ["ngram", "mtp_heads"], ["ngram", "mtp_heads", "eagle"], ["ngram", "mtp_heads", "eagle", "draft"])
 
 
+def _typo_set(name: str) -> dict[int, dict]:
+    return {r["id"]: r for r in map(json.loads, (ROOT / "docs/mtp" / name).read_text().splitlines())}
+
+
 def prompt_sets(n: int) -> dict[str, list[str]]:
     held = [json.loads(line) for line in (DEMO / "heldout_prompts.jsonl").read_text().splitlines()]
-    typo = {r["id"]: r for r in map(json.loads, (ROOT / "docs/mtp/typo_prompts.jsonl").read_text().splitlines())}
+    typo, heavy = _typo_set("typo_prompts.jsonl"), _typo_set("typo_prompts_heavy.jsonl")
     # code and prose interleaved, so a small n still has both
     code, prose = [h for h in held if h["kind"] == "code"], [h for h in held if h["kind"] == "prose"]
     order = [x for pair in zip(code, prose) for x in pair] + code[len(prose):]
     chosen = order[:n]
     for h in chosen:
-        assert typo[h["id"]]["clean"] == h["prompt"], "docs/mtp/typo_prompts.jsonl is stale; rerun make_typo_prompts.py"
-    return {"clean": [h["prompt"] for h in chosen], "typo": [typo[h["id"]]["prompt"] for h in chosen]}
+        assert typo[h["id"]]["clean"] == heavy[h["id"]]["clean"] == h["prompt"], \
+            "docs/mtp/typo_prompts*.jsonl are stale; rerun make_typo_prompts.py"
+    return {"clean": [h["prompt"] for h in chosen], "typo": [typo[h["id"]]["prompt"] for h in chosen],
+            "heavy": [heavy[h["id"]]["prompt"] for h in chosen]}
 
 
 def triton_part(args, sets: dict[str, list[str]]) -> dict:
@@ -116,7 +124,11 @@ def triton_part(args, sets: dict[str, list[str]]) -> dict:
     return out
 
 
-def in_process_part(args, prompts: list[str]) -> dict:
+ROBUST = {"eagle": ("eagle", None), "draft": ("draft", None), "mtp": ("mtp", None),
+          "mtp_fast": ("mtp", {"mtp_proposers": FAST})}
+
+
+def in_process_part(args, sets: dict[str, list[str]]) -> dict:
     """Tree-budget sweep and per-proposer cost, on an engine built like the server's."""
     import torch
 
@@ -139,16 +151,21 @@ def in_process_part(args, prompts: list[str]) -> dict:
                 _t[0] += time.perf_counter() - t0
                 _t[1] += 1
         sub.propose = timed
-    ids = [tok.encode(p).ids for p in prompts]
-    # (label, method, options); every configuration on every prompt, order rotated per prompt
-    configs = [("none", "none", None), ("eagle", "eagle", None),
-               *((f"budget {b}", "mtp", {"mtp_tree_budget": b}) for b in BUDGETS),
-               *(("+".join(g), "mtp", {"mtp_proposers": g, "mtp_tree_budget": 16}) for g in GROWN)]
+    ids = {s: [tok.encode(p).ids for p in ps] for s, ps in sets.items()}
+    # (label, method, options, prompt set); every configuration on every prompt, order rotated per prompt
+    configs = [("none", "none", None, "clean"), ("eagle", "eagle", None, "clean"),
+               *((f"budget {b}", "mtp", {"mtp_tree_budget": b}, "clean") for b in BUDGETS),
+               *(("+".join(g), "mtp", {"mtp_proposers": g, "mtp_tree_budget": 16}, "clean") for g in GROWN),
+               *((f"{s} {c}", m, o, s) for s in sets for c, (m, o) in ROBUST.items())]
     sums = {label: {"steps": 0, "acc": 0, "drafted": 0, "out": 0, "draft_s": 0.0, "verify_s": 0.0, "wall": 0.0}
-            for label, _, _ in configs}
-    calls = {label: {name: [0.0, 0] for name in mtp.subs} for label, _, _ in configs}
-    for i, p in enumerate([ids[0]] + ids):   # the first pass is a warm-up, not counted
-        for label, method, options in configs[i % len(configs):] + configs[:i % len(configs)]:
+            for label, *_ in configs}
+    calls = {label: {name: [0.0, 0] for name in mtp.subs} for label, *_ in configs}
+    n = len(ids["clean"])
+    warm = {m: (m, m, None, "clean") for _, m, *_ in configs}   # pass 0: each method once, not counted
+    for i in range(n + 1):
+        todo = list(warm.values()) if i == 0 else configs[i % len(configs):] + configs[:i % len(configs)]
+        for label, method, options, pset in todo:
+            p = ids[pset][max(i - 1, 0)]
             for t in timers.values():
                 t[:] = [0.0, 0]
             t0 = time.perf_counter()
@@ -169,7 +186,7 @@ def in_process_part(args, prompts: list[str]) -> dict:
                     calls[label][name][0] += t[0]
                     calls[label][name][1] += t[1]
     rows = {}
-    for label, method, _ in configs:
+    for label, method, *_ in configs:
         s = sums[label]
         rows[label] = {"mean_acceptance_length": round((s["acc"] + s["steps"]) / s["steps"], 3),
                        "tok_s": round(s["out"] / s["wall"], 2),
@@ -182,7 +199,8 @@ def in_process_part(args, prompts: list[str]) -> dict:
         r["speedup_vs_none"] = round(r["tok_s"] / rows["none"]["tok_s"], 3)
     return {"none": rows["none"], "eagle": rows["eagle"],
             "tree_budget": {b: rows[f"budget {b}"] for b in BUDGETS},
-            "proposer_sets": {"+".join(g): rows["+".join(g)] for g in GROWN}}
+            "proposer_sets": {"+".join(g): rows["+".join(g)] for g in GROWN},
+            "robustness": {s: {c: rows[f"{s} {c}"] for c in ROBUST} for s in sets}}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -203,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
               "command": " ".join(["python", "benchmarks/mtp_bench.py", *(argv if argv is not None else sys.argv[1:])])}
     if not args.skip_triton:
         result["triton"] = triton_part(args, sets)
-    result["in_process"] = in_process_part(args, sets["clean"][:args.sweep_prompts])
+    result["in_process"] = in_process_part(args, {s: ps[:args.sweep_prompts] for s, ps in sets.items()})
 
     if "triton" in result:
         for s in SETS:
@@ -244,6 +262,15 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"| {g} | {r['mean_acceptance_length']} | {r['tok_s']} | {r['speedup_vs_none']}× | "
               f"{r['draft_ms_per_step']} | {r['verify_ms_per_step']} | {calls} |")
     print(f"(eagle alone: acceptance {ip['eagle']['mean_acceptance_length']}, {ip['eagle']['speedup_vs_none']}× over none)")
+    rob = ip["robustness"]
+    print("\nin-process robustness: mean acceptance length (change vs clean)")
+    print("| config | " + " | ".join(rob) + " |")
+    print("|---|" + "---|" * len(rob))
+    for c in ROBUST:
+        clean = rob["clean"][c]["mean_acceptance_length"]
+        cells = [f"{rob[s][c]['mean_acceptance_length']} ({rob[s][c]['mean_acceptance_length'] / clean - 1:+.1%})"
+                 for s in rob]
+        print(f"| {c} | " + " | ".join(cells) + " |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
