@@ -141,7 +141,7 @@ def _static(method: str, folder: str, model, settings: EngineSettings, max_len: 
                           max_draft_len=settings.max_draft_len, threshold=settings.spec_threshold)
 
 
-def _mtp_heads(folder: str, model, settings: EngineSettings, max_len: int) -> "Proposer":
+def _mtp_heads(folder: str, model, settings: EngineSettings) -> "Proposer":
     try:
         from specserve.proposers.mtp import MTPHeadsProposer, load_mtp_heads
     except ImportError as e:
@@ -150,17 +150,19 @@ def _mtp_heads(folder: str, model, settings: EngineSettings, max_len: int) -> "P
     return MTPHeadsProposer(heads, max_draft_len=settings.max_draft_len)
 
 
-def _mtp(proposers: dict, folder: str | None, model, settings: EngineSettings, max_len: int) -> "Proposer":
-    """The `mtp` method over every served sub-proposer, sharing the served methods' instances."""
+def _mtp(proposers: dict, folder: str | None, model, settings: EngineSettings) -> "Proposer":
+    """The `mtp` method over every served sub-proposer, sharing the served methods' instances.
+    Remote placement runs it as the mtp_proposal ensemble (EAGLE and n-gram; remote_mtp.py); a
+    deployment without a remote EAGLE has no such ensemble, and runs mtp fused, as the draft model."""
     from specserve.proposers.multi_draft import MultiDraftProposer
 
     subs = [proposers[m] for sub, m in MTP_SUBPROPOSERS.items() if m and sub != "mtp_heads" and m in proposers]
     subs.append(proposers["ngram"])
-    if folder:
-        subs.append(_mtp_heads(folder, model, settings, max_len))
-    if settings.placement == "remote":
+    if settings.placement == "remote" and "eagle" in proposers:
         from specserve.proposers.remote_mtp import remote_mtp
-        return remote_mtp(settings, [p.name for p in subs])
+        return remote_mtp(settings, [p.name for p in subs] + (["mtp_heads"] if folder else []))
+    if folder:
+        subs.append(_mtp_heads(folder, model, settings))
     return MultiDraftProposer(subs, max_draft_len=settings.max_draft_len, vocab_size=model.cfg.vocab_size)
 
 
@@ -221,7 +223,7 @@ def build_engine(settings: EngineSettings):
         if method != "mtp":
             proposers[method] = _drafted(method, folder, model, settings, max_len)
     if "mtp" in served_methods(settings.drafters):
-        proposers["mtp"] = _mtp(proposers, dict(settings.drafters).get("mtp"), model, settings, max_len)
+        proposers["mtp"] = _mtp(proposers, dict(settings.drafters).get("mtp"), model, settings)
     for method, base in STATIC_METHODS.items():
         folder = dict(settings.drafters).get(base)
         if folder:
