@@ -46,9 +46,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="speculation method for requests that do not set spec_method "
                         "(default: eagle when a drafter is served, else none)")
     p.add_argument("--drafter", action="append", default=[], metavar="METHOD=DIR",
-                   help="serve a trained drafter, e.g. eagle=models/demo/eagle or dflash=models/demo/dflash "
-                        "(repeatable); without it, drafters in folders 'eagle' and 'dflash' beside the target "
-                        "are used")
+                   help="serve a trained drafter, e.g. eagle=models/demo/eagle, dflash=models/demo/dflash or "
+                        "draft=models/demo/draft (repeatable); without it, drafters in folders named after "
+                        "their method beside the target are used")
     p.add_argument("--no-drafters", action="store_true", help="serve no drafter even if one is found")
     p.add_argument("--placement", choices=("fused", "remote"), default="fused",
                    help="drafters inside the engine (fused) or as hot-loadable Triton models (remote, "
@@ -166,28 +166,28 @@ def check_checkpoint(target: Path, max_model_len: int | None) -> int:
 
 
 def resolve_drafters(target: Path, flags: list[str], disabled: bool) -> tuple[tuple[str, str], ...]:
-    """--drafter METHOD=DIR flags, else an EAGLE drafter found beside the target."""
+    """--drafter METHOD=DIR flags, else the drafters found beside the target (a folder named after
+    its method whose config.json says so: models/demo/eagle, …/dflash, …/draft, …/mtp)."""
     import json
 
-    from specserve.triton.factory import DRAFTED
+    from specserve.triton.factory import COMPOSITE_METHODS, DRAFTED
 
     pairs = []
     for flag in flags:
         method, sep, folder = flag.partition("=")
         if not sep or not folder:
             raise CliError(f"--drafter expects METHOD=DIR, got {flag!r}")
-        if method not in DRAFTED:
-            raise CliError(f"--drafter: unknown method {method!r}; drafters: {', '.join(DRAFTED)}")
+        if method not in (*DRAFTED, *COMPOSITE_METHODS):
+            raise CliError(f"--drafter: unknown method {method!r}; drafters: {', '.join((*DRAFTED, *COMPOSITE_METHODS))}")
         if not (Path(folder) / "config.json").is_file():
             raise CliError(f"--drafter {flag}: {folder} has no config.json")
         pairs.append((method, folder))
     if disabled:
         return ()
-    if not pairs:   # drafters in folders named after their method beside the target (models/demo/eagle, …/dflash)
-        for method in DRAFTED:
-            beside = target.resolve().parent / method / "config.json"
-            if beside.is_file() and json.loads(beside.read_text()).get("specserve_drafter") == method:
-                pairs.append((method, str(beside.parent)))
+    for method in (*DRAFTED, *COMPOSITE_METHODS) if not pairs else ():
+        beside = target.resolve().parent / method / "config.json"
+        if beside.is_file() and json.loads(beside.read_text()).get("specserve_drafter") == method:
+            pairs.append((method, str(beside.parent)))
     return tuple(pairs)
 
 
@@ -209,12 +209,12 @@ def _interrupt(signum, frame) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from specserve.triton.factory import PROPOSERS, resolve_device, static_methods
+    from specserve.triton.factory import resolve_device, served_methods
     from specserve.triton.launch import ServerStartError, WorkDirLock
 
     max_len = check_checkpoint(args.target, args.max_model_len)
     drafters = resolve_drafters(args.target, args.drafter, args.no_drafters)
-    methods = ["none", *PROPOSERS, *(m for m, _ in drafters), *static_methods(drafters)]
+    methods = served_methods(drafters)
     try:
         resolve_device(args.device)
     except ValueError as e:
@@ -258,6 +258,7 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
                 drafters: tuple[tuple[str, str], ...]) -> int:
     from specserve.triton import drafter_backends
     from specserve.triton.auth import resolve_admin_key
+    from specserve.triton.factory import FUSED_ONLY
     from specserve.triton.launch import Ports, ServerStartError, TritonServer, prepare_backends
     from specserve.triton.render import RepositorySettings, render_repository
 
@@ -296,8 +297,8 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
     from specserve.triton.factory import FUSED_ONLY
 
     for method, folder in drafters:
-        print(f"specserve: drafter {method} from {folder} "
-              f"({'fused' if method in FUSED_ONLY else args.placement})", flush=True)
+        where = "fused: no remote export" if method in FUSED_ONLY and args.placement == "remote" else args.placement
+        print(f"specserve: drafter {method} from {folder} ({where})", flush=True)
     # One try around everything after start: a signal can arrive at any point (even between
     # "ready" and the wait), and every exit path must take tritonserver down with us.
     try:

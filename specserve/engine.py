@@ -94,10 +94,23 @@ class SpecStats:
     # recent output was a repeated pattern, and how many times the guard switched on.
     guard_steps: int = 0
     guard_activations: int = 0
+    # Multi-draft methods (mtp): accepted tokens credited to each proposer whose candidate lies on
+    # the accepted path (a token several proposers drafted credits each), and steps in which a
+    # sub-proposer failed and was left out (Draft.sources / Draft.skipped).
+    accepted_by_proposer: dict[str, int] = field(default_factory=dict)
+    proposer_skipped: dict[str, int] = field(default_factory=dict)
 
     @property
     def mean_acceptance_length(self) -> float:
         return (self.accepted_tokens + self.steps) / self.steps if self.steps else 0.0
+
+    def record_sources(self, draft: Draft, accepted_nodes: list[int]) -> None:
+        for name in draft.skipped:
+            self.proposer_skipped[name] = self.proposer_skipped.get(name, 0) + 1
+        if draft.sources is not None:
+            for node in accepted_nodes:
+                for name in draft.sources[node]:
+                    self.accepted_by_proposer[name] = self.accepted_by_proposer.get(name, 0) + 1
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         self.steps += 1
@@ -119,7 +132,9 @@ class SpecStats:
                 "acceptance_rate_per_position": [round(r, 4) for r in rates],
                 "proposer_errors": self.proposer_errors,
                 "guard_steps": self.guard_steps, "guard_activations": self.guard_activations,
-                "draft_seconds": round(self.draft_seconds, 6), "verify_seconds": round(self.verify_seconds, 6)}
+                "draft_seconds": round(self.draft_seconds, 6), "verify_seconds": round(self.verify_seconds, 6),
+                "accepted_by_proposer": dict(self.accepted_by_proposer),
+                "proposer_skipped": dict(self.proposer_skipped)}
 
 
 @dataclass
@@ -142,6 +157,9 @@ class GenerationRequest:
     # It is also the method a DFlash row drafts with while the repetition guard is on (the
     # request's spec_fallback, else its tier's fallback; None → EngineConfig.guard_fallback).
     fallback_method: str | None = None
+    # Method-specific options (e.g. mtp's proposer set and tree budget), checked by the method's
+    # proposer (its check_options) and handed to it with every draft request.
+    options: dict | None = None
 
 
 @dataclass
@@ -299,6 +317,15 @@ class Engine:
         p = req.priority
         if not (isinstance(p, int) and not isinstance(p, bool) and 0 <= p <= MAX_PRIORITY):
             raise RequestRejected(f"priority must be an integer in [0, {MAX_PRIORITY}], got {p!r}")
+        if req.options:
+            checker = getattr(self.proposers[method], "check_options", None)
+            if checker is None:
+                raise RequestRejected(f"{', '.join(sorted(req.options))} apply only to a method that takes them "
+                                      f"(mtp), not to spec_method {method!r}")
+            try:
+                checker(req.options)
+            except ValueError as e:
+                raise RequestRejected(str(e)) from None
         if req.params.stop and self.detokenize is None:
             raise RequestRejected("stop strings need a tokenizer; this engine has none")
         if req.request_id in self._by_id:
@@ -454,7 +481,7 @@ class Engine:
                     idle.append(s)
                     continue
                 requests.append(DraftRequest(s.seq_id, s.tokens, room, s.req.params, s.generator,
-                                             _features(s, name), s.req.spec_threshold))
+                                             _features(s, name), s.req.spec_threshold, s.req.options))
             group = [s for s in group if all(s is not i for i in idle)]
             if not group:
                 continue
@@ -586,6 +613,7 @@ class Engine:
             self.cache.compact_path(s.slot, starts[b], rows)
             _keep_features(s, out, b, rows)
             s.stats.record(len(d), verdict.num_accepted)
+            s.stats.record_sources(d, verdict.accepted_nodes)
             drafter = s.drafting
             if drafter.name != "none":
                 seen = observed.setdefault(drafter.name, ([], [], []))
@@ -745,4 +773,5 @@ def _truncate(draft: Draft, n: int) -> Draft:
     if len(draft) <= n:
         return draft
     probs = None if draft.probs is None else draft.probs[:n]
-    return Draft(draft.tokens[:n], draft.parents[:n], probs)
+    cut = lambda xs: None if xs is None else xs[:n]  # noqa: E731
+    return Draft(draft.tokens[:n], draft.parents[:n], probs, cut(draft.logprobs), cut(draft.sources), draft.skipped)

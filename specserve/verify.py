@@ -59,6 +59,20 @@ def verify_greedy(logits: torch.Tensor, draft: Draft) -> Verdict:
         row = nxt + 1
 
 
+def sibling_residual(p: torch.Tensor, x: int, q: torch.Tensor | None) -> torch.Tensor:
+    """The distribution the next sibling (or the recovered token) is checked against after a child
+    with token x drawn from q was rejected: normalise(max(p − q, 0)); for a point mass, p with x
+    removed. Skipping it breaks exactness (tests/test_mtp.py shows the distribution test fail)."""
+    residual = p.clone()
+    if q is None:
+        residual[x] = 0.0
+    else:
+        residual = (residual - q).clamp_min(0.0)
+    total = float(residual.sum())
+    # A zero residual means rejection had probability 0; only rounding gets here.
+    return residual / total if total > 0 else p
+
+
 def verify_sampled(logits: torch.Tensor, draft: Draft, params: SamplingParams,
                    generator: torch.Generator) -> Verdict:
     """logits [N+1, V] in forward order; draft.probs [N, V] or None (point masses)."""
@@ -76,14 +90,7 @@ def verify_sampled(logits: torch.Tensor, draft: Draft, params: SamplingParams,
             if qx > 0 and float(torch.rand((), generator=generator, device=generator.device)) * qx < px:
                 accepted = c
                 break
-            residual = p.clone()
-            if q is None:
-                residual[x] = 0.0
-            else:
-                residual = (residual - q).clamp_min(0.0)
-            total = float(residual.sum())
-            # A zero residual means rejection had probability 0; only rounding gets here.
-            p = residual / total if total > 0 else p
+            p = sibling_residual(p, x, q)
         if accepted is None:
             emitted = [draft.tokens[c] for c in path] + [sample(p, generator)]
             return Verdict(path, emitted, bonus=not kids[row])

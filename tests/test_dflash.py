@@ -220,14 +220,15 @@ def test_save_and_load_roundtrip(tmp_path):
         assert torch.equal(a, b), k
 
 
-def test_serve_finds_both_drafters_beside_the_demo_target():
+def test_serve_finds_every_drafter_beside_the_demo_target():
     from specserve.cli import CliError, resolve_drafters
 
     target = DEMO / "target"
     found = resolve_drafters(target, [], False)
-    assert [(m, Path(f).name) for m, f in found] == [("eagle", "eagle"), ("dflash", "dflash")]
+    assert [(m, Path(f).name) for m, f in found] == [("eagle", "eagle"), ("dflash", "dflash"), ("draft", "draft"),
+                                                     ("mtp", "mtp")]
     assert resolve_drafters(target, [f"dflash={DEMO / 'dflash'}"], False) == (("dflash", str(DEMO / "dflash")),)
-    with pytest.raises(CliError, match="unknown method 'flash'; drafters: eagle, dflash"):
+    with pytest.raises(CliError, match="unknown method 'flash'; drafters: eagle, dflash, draft, mtp$"):
         resolve_drafters(target, ["flash=x"], False)
 
 

@@ -40,11 +40,11 @@ def _one(**tier) -> dict:
 
 
 BAD = [
-    (_one(method="eagel"), "tier 't': method \"eagel\" is unknown; methods: none, ngram, eagle, dflash, dspark, mtp"),
+    (_one(method="eagel"), "tier 't': method \"eagel\" is unknown; methods: none, ngram, eagle, dflash, draft, dspark, mtp"),
     (_one(method="dflash"), "tier 't': method 'dflash' needs a served dflash drafter, and this server serves none "
                             "(serve it with --drafter dflash=DIR); available here: none, ngram, eagle, dspark"),
-    (_one(fallback="mtp"), "tier 't': fallback 'mtp' is not available on this server (not built yet); "
-                           "available here: none, ngram, eagle, dspark"),
+    (_one(fallback="mtp"), "tier 't': fallback 'mtp' needs a served mtp drafter, and this server serves none "
+                           "(serve it with --drafter mtp=DIR); available here: none, ngram, eagle, dspark"),
     (_one(limits={"max_tokens": 4096}), "tier 't': limits.max_tokens must be an integer in [1, 2048], got 4096"),
     (_one(limits={"max_tokens": 0}), "tier 't': limits.max_tokens must be an integer in [1, 2048], got 0"),
     (_one(proposer={"max_draft_len": 9}), "tier 't': proposer.max_draft_len must be an integer in [0, 8], got 9"),
@@ -56,7 +56,7 @@ BAD = [
     (_one(proposer={"block_size": 16}), "tier 't': proposer.block_size applies to method dflash only, not 'ngram'"),
     (_one(proposer={"tree_budget": 0}), "tier 't': proposer.tree_budget must be an integer in [1, 64], got 0"),
     (_one(proposer={"proposers": ["eagle", "medusa"]}),
-     "tier 't': proposer.proposers must be a non-empty list of ngram, eagle, dflash, dspark, got [\"eagle\", \"medusa\"]"),
+     "tier 't': proposer.proposers must be a non-empty list of mtp_heads, eagle, draft, ngram, got [\"eagle\", \"medusa\"]"),
     (_one(priorty=3), "tier 't': unknown key(s) priorty; allowed: name, method, fallback, priority, proposer, limits"),
     (_one(proposer={"draft_len": 3}), "tier 't' proposer: unknown key(s) draft_len; allowed: max_draft_len, "
                                       "spec_threshold, draft_policy, block_size, tree_budget, proposers, "
@@ -209,8 +209,10 @@ def test_tier_model_names_derive_from_the_schema():
 
 def test_drafter_models_derive_from_the_proposal_registry():
     from specserve.triton import drafters
-    assert drafters.DRAFTER_MODELS == ("eagle_proposal", "eagle_backbone", "calibration_head")
-    assert drafters.PARTS == {"eagle_proposal": ("eagle_backbone", "calibration_head")}
+    assert drafters.DRAFTER_MODELS == ("eagle_proposal", "eagle_backbone", "calibration_head", "mtp_proposal",
+                                       "ngram_drafter", "mtp_arbiter")
+    assert drafters.PARTS == {"eagle_proposal": ("eagle_backbone", "calibration_head"),
+                              "mtp_proposal": ("eagle_backbone", "calibration_head", "ngram_drafter", "mtp_arbiter")}
 
 
 # -- priority admission, with a full engine ------------------------------------------------------------
@@ -461,11 +463,10 @@ def _serve(tmp_path, *flags):
 
 def test_serve_refuses_a_bad_tiers_file_naming_tier_and_key(tmp_path, capsys):
     bad = tmp_path / "tiers.yaml"
-    bad.write_text(yaml.safe_dump({"tiers": [{"name": "batch", "method": "mtp"}]}))
+    bad.write_text(yaml.safe_dump({"tiers": [{"name": "batch", "method": "ngram", "priority": 10}]}))
     assert _serve(tmp_path, "--tiers", str(bad)) == 2
     assert capsys.readouterr().err == (
-        f"specserve: error: --tiers {bad}: tier 'batch': method 'mtp' is not available on this server "
-        f"(not built yet); available here: none, ngram, eagle, dflash, dspark\n")
+        f"specserve: error: --tiers {bad}: tier 'batch': priority must be an integer in [0, 9], got 10\n")
     assert not (tmp_path / "work" / "model_repository").exists()
 
 

@@ -119,11 +119,11 @@ def test_tiers_apply_refuses_a_bad_or_new_tier_and_changes_nothing(server, tmp_p
     before = tier_control.list_tiers(server.grpc_url, server.admin_key)
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"tiers": [{"name": "fast", "method": "ngram"},
-                                             {"name": "code", "method": "mtp"}]}))
+                                             {"name": "code", "method": "dflash"}]}))
     with pytest.raises(TierError) as e:
         tier_control.apply(server.grpc_url, bad, server.admin_key)
-    assert str(e.value) == ("tier 'code': method 'mtp' is not available on this server (not built yet); "
-                            "available here: none, ngram, eagle, dspark")
+    assert str(e.value) == ("tier 'code': method 'dflash' is not available on this server (not built yet); "
+                            "available here: none, ngram, eagle, dspark, mtp")
     new = tmp_path / "new.yaml"
     new.write_text(yaml.safe_dump({"tiers": [{"name": "fast", "method": "ngram"},
                                              {"name": "gold", "method": "eagle"}]}))

@@ -1,5 +1,7 @@
 """EAGLE served remotely through a real tritonserver (explicit model control): greedy equals
-plain decoding, and unloading / reloading the drafter during concurrent streams fails nothing."""
+plain decoding, and unloading / reloading the drafter during concurrent streams fails nothing.
+The same servers serve `mtp` (EAGLE + n-gram merged by the arbiter; remote: the mtp_proposal
+ensemble), tested here too rather than on servers of their own (the suite's time budget)."""
 
 from __future__ import annotations
 
@@ -18,10 +20,10 @@ from specserve.model import load_model
 from specserve.proposers.eagle import save_eagle
 from specserve.tiny import train_tiny_tokenizer
 from specserve.triton import drafters
-from specserve.triton.client import StreamClient
+from specserve.triton.client import CompletionError, StreamClient
 from specserve.triton.launch import TritonServer
 from specserve.triton.render import RepositorySettings, render_repository
-from streams import during_streams
+from streams import during_streams, scrape_metrics
 from test_eagle import random_drafter
 
 pytestmark = pytest.mark.triton
@@ -94,6 +96,84 @@ def test_fused_eagle_greedy_equals_none(fused_server):
     # Fused drafters are not Triton models: nothing to hot-load.
     names = {m.name for m in drafters.list_models(fused_server.grpc_url, fused_server.admin_key)}
     assert "eagle_proposal" not in names and "llm" in names
+
+
+# -- mtp on the same servers (served beside eagle: EAGLE + n-gram, merged by the arbiter) ----------------
+MTP_PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):"
+
+
+@pytest.mark.parametrize("placement", ["fused", "remote"])
+def test_greedy_mtp_equals_none(request, placement):
+    """Remote: the drafters run in the mtp_proposal ensemble, merged by the mtp_arbiter model."""
+    srv = request.getfixturevalue({"fused": "fused_server", "remote": "server"}[placement])
+    credited = set()
+    for p in (MTP_PROMPT, *PROMPTS):
+        plain, spec = gen(srv, p, "none"), gen(srv, p, "mtp")
+        assert spec.text == plain.text, p
+        st = spec.spec_stats
+        assert st["method"] == "mtp" and st["draft_tokens"] > 0 and st["proposer_errors"] == 0
+        assert st["proposer_skipped"] == {}
+        credited |= set(st["accepted_by_proposer"])
+    assert credited == {"eagle", "ngram"}
+    names = {m.name: m.state for m in drafters.list_models(srv.grpc_url, srv.admin_key)}
+    if placement == "remote":
+        assert all(names[m] == "READY" for m in ("mtp_proposal", "ngram_drafter", "mtp_arbiter"))
+        name = "specserve_spec_decode_num_accepted_tokens_per_proposer_total"
+        deadline = time.monotonic() + 10   # metrics are sent from a worker thread
+        while True:
+            got = {p for k in scrape_metrics(srv.metrics_url) if k.startswith(name) and 'method="mtp"' in k
+                   for p in ("eagle", "ngram") if f'proposer="{p}"' in k}
+            if got == {"eagle", "ngram"} or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert got == {"eagle", "ngram"}
+    else:
+        assert "mtp_proposal" not in names
+
+
+def test_mtp_request_overrides_reach_the_remote_arbiter(server):
+    only = StreamClient(server.grpc_url).generate(MTP_PROMPT, {"max_tokens": 40, "spec_method": "mtp",
+                                                               "mtp_proposers": ["ngram"], "mtp_tree_budget": 3})
+    assert only.text == gen(server, MTP_PROMPT, "none").text
+    st = only.spec_stats
+    assert set(st["accepted_by_proposer"]) == {"ngram"} and st["draft_tokens"] <= 3 * st["drafts"]
+    for bad, message in (({"mtp_proposers": ["draft"]}, "mtp_proposers: proposer 'draft' is not served here; "
+                                                         "served: eagle, ngram"),
+                         ({"mtp_tree_budget": 5}, "mtp_tree_budget must be an integer in [1, 4] (the server's "
+                                                  "max_draft_len), got 5")):
+        with pytest.raises(CompletionError) as e:
+            StreamClient(server.grpc_url).generate(MTP_PROMPT, {"spec_method": "mtp", **bad})
+        assert message in str(e.value)
+
+
+def test_unloading_a_drafter_of_mtp_proposal_during_eight_streams_fails_nothing(server):
+    """eagle_backbone goes away while 8 mtp streams run (the ensemble fails; the engine calls
+    ngram_drafter and mtp_arbiter one by one), then comes back (EAGLE re-primed): every output
+    equals plain decoding and the fallback is counted. Then ngram_drafter, for one request."""
+    jobs = [(PROMPTS + [MTP_PROMPT])[i % 5] for i in range(8)]
+    want = {p: gen(server, p, "none", 96) for p in set(jobs)}
+
+    def unload_and_reload():
+        drafters.unload(server.grpc_url, "eagle_backbone", server.admin_key)
+        gen(server, PROMPTS[2], "mtp", 6)   # steps without EAGLE
+        drafters.load(server.grpc_url, "eagle_backbone", server.admin_key)
+
+    results, _ = during_streams(lambda p, on_chunk: StreamClient(server.grpc_url).generate(
+        p, {"max_tokens": 96, "spec_method": "mtp"}, on_chunk=on_chunk, timeout=300), jobs, unload_and_reload)
+    for p, r in zip(jobs, results):
+        assert (r.text, r.finish_reason) == (want[p].text, want[p].finish_reason)
+        assert r.spec_stats["proposer_errors"] == 0 or r.spec_stats["proposer_skipped"]
+    skipped = [r.spec_stats["proposer_skipped"] for r in results]
+    assert sum(s.get("mtp_proposal", 0) for s in skipped) > 0 and sum(s.get("eagle", 0) for s in skipped) > 0
+    # the ensemble answers again (it fails as a whole while any member is missing)
+    assert gen(server, MTP_PROMPT, "mtp").spec_stats["proposer_skipped"] == {}
+
+    drafters.unload(server.grpc_url, "ngram_drafter", server.admin_key)
+    alone = gen(server, MTP_PROMPT, "mtp", 96)
+    assert alone.text == gen(server, MTP_PROMPT, "none", 96).text
+    assert alone.spec_stats["proposer_skipped"]["ngram"] == alone.spec_stats["proposer_skipped"]["mtp_proposal"] > 0
+    drafters.load(server.grpc_url, "ngram_drafter", server.admin_key)
+    assert gen(server, MTP_PROMPT, "mtp").spec_stats["proposer_skipped"] == {}
 
 
 def test_unload_and_reload_during_eight_streams_fails_nothing(server):

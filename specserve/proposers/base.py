@@ -40,10 +40,20 @@ class Draft:
     # [N, V] the distribution each token was drawn from, for lossless sampling; None when the
     # tokens were chosen deterministically (n-gram, argmax): then q is a point mass.
     probs: torch.Tensor | None = None
+    # Optional, for arbiters (proposers/arbiter.py), never used by verification: N log-probs the
+    # drafter gave its own tokens (its confidence; a greedy drafter's probs is None), and per node
+    # the names of the proposers whose candidate passes through it (the engine credits accepted
+    # tokens to them in SpecStats.accepted_by_proposer).
+    logprobs: list[float] | None = None
+    sources: list[tuple[str, ...]] | None = None
+    # Sub-proposers (or proposal models) that failed this step and were left out of the draft
+    # (a multi-draft proposer's partial failure; the engine counts them per request).
+    skipped: tuple[str, ...] = ()
 
     @classmethod
-    def chain(cls, tokens: list[int], probs: torch.Tensor | None = None) -> "Draft":
-        return cls(list(tokens), list(range(-1, len(tokens) - 1)), probs)
+    def chain(cls, tokens: list[int], probs: torch.Tensor | None = None,
+              logprobs: list[float] | None = None) -> "Draft":
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), probs, logprobs)
 
     @classmethod
     def empty(cls) -> "Draft":
@@ -59,6 +69,9 @@ class Draft:
             raise ValueError(f"draft parents must satisfy -1 <= parents[i] < i: {self.parents}")
         if self.probs is not None and self.probs.shape[0] != len(self.tokens):
             raise ValueError("draft probs must have one row per drafted token")
+        for name in ("logprobs", "sources"):
+            if getattr(self, name) is not None and len(getattr(self, name)) != len(self.tokens):
+                raise ValueError(f"draft {name} must have one entry per drafted token")
 
 
 @dataclass
@@ -80,6 +93,9 @@ class DraftRequest:
     # The request's calibration stop threshold; None → the proposer's own default. Proposers
     # without a calibration head ignore it.
     threshold: float | None = None
+    # The request's method-specific options (e.g. mtp's proposer set and tree budget), already
+    # checked by the proposer's `check_options`; None → the proposer's defaults.
+    options: dict | None = None
 
 
 @dataclass
@@ -89,6 +105,11 @@ class StepOutcome:
     num_drafted: int
     accepted_nodes: list[int] = field(default_factory=list)  # indices into the draft, root→leaf
     emitted: list[int] = field(default_factory=list)         # accepted tokens + recovered/bonus
+
+
+# A proposer that takes per-request options (DraftRequest.options) also has
+# `check_options(options: dict) -> None`, raising ValueError with a message for the client; the
+# engine calls it when a request arrives (Engine.check). Proposers without it take no options.
 
 
 @runtime_checkable

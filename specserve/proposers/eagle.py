@@ -264,6 +264,7 @@ class EagleProposer:
         limits = [min(r.max_draft_len, self.max_draft_len) for r in requests]
         tokens: list[list[int]] = [[] for _ in range(B)]
         probs: list[list[torch.Tensor]] = [[] for _ in range(B)]
+        logps: list[list[float]] = [[] for _ in range(B)]   # greedy rows: log q of the argmax (confidence)
         active = [lim > 0 for lim in limits]
         # Per-row stop threshold (a request may override the proposer's); 0 or None = fixed length.
         thresholds = [self._threshold(r) for r in requests]
@@ -283,6 +284,7 @@ class EagleProposer:
                     continue
                 if r.generator is None:
                     tok, q = int(logits[b].argmax()), None
+                    lp = float(logits[b, tok] - logits[b].logsumexp(-1))
                 else:
                     q = target_probs(logits[b:b + 1], r.params)[0]
                     tok = int(torch.multinomial(q, 1, generator=r.generator))
@@ -295,6 +297,8 @@ class EagleProposer:
                 tokens[b].append(tok)
                 if q is not None:
                     probs[b].append(q)
+                else:
+                    logps[b].append(lp)
                 picked.append(tok)
                 if len(tokens[b]) >= limits[b]:
                     active[b] = False
@@ -304,7 +308,8 @@ class EagleProposer:
             nxt = torch.tensor(picked)[:, None]
             starts = [bs + j for bs in base]
             h = self._run(h[:, None], nxt, slots, starts, [[-1]] * B, 1)[:, 0]
-        return [Draft.chain(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+        return [Draft.chain(t, torch.stack(p) if p else None, lp if len(lp) == len(t) else None)
+                for t, p, lp in zip(tokens, probs, logps)]
 
     def _threshold(self, r: DraftRequest) -> float | None:
         if self.drafter.calibration is None:

@@ -179,7 +179,8 @@ class RemoteProposer:
                                     f"{len(r.token_ids) - 1} committed tokens")
         rows = list(range(len(requests)))
         out = self._round_trip(self._batch(requests, rows, reprime=False))
-        tokens, probs, unknown = out["draft_tokens"], out.get("accept_prob"), out["unknown"].astype(bool)
+        drafts = self._row_drafts(requests, rows, out)
+        unknown = out["unknown"].astype(bool)
         if unknown.any():
             # The drafter lost these sequences (reloaded); re-prime them with their history now.
             again = [i for i in rows if unknown[i]]
@@ -187,21 +188,19 @@ class RemoteProposer:
             redo = self._round_trip(self._batch(requests, again, reprime=True))
             if redo["unknown"].astype(bool).any():
                 raise ProposerError(f"{self.name}: remote drafter refused to re-prime sequences")
-            tokens, probs = tokens.copy(), None if probs is None else probs.copy()
-            K = min(tokens.shape[1], redo["draft_tokens"].shape[1])
-            for j, i in enumerate(again):
-                tokens[i] = -1
-                tokens[i, :K] = redo["draft_tokens"][j, :K]
-                if probs is not None:
-                    probs[i, :K] = redo["accept_prob"][j, :K]
-        drafts = []
-        for i, r in enumerate(requests):
+            for i, d in zip(again, self._row_drafts(requests, again, redo)):
+                drafts[i] = d
+        for r, d in zip(requests, drafts):
             h = self._seqs[r.seq_id]
             h.remote_valid = len(r.token_ids) - 1
-            kept = self._cut(tokens[i], None if probs is None else probs[i], self._threshold(r))
-            h.kept = len(kept)
-            drafts.append(Draft.chain(kept))
+            h.kept = len(d)
         return drafts
+
+    def _row_drafts(self, requests: list[DraftRequest], rows: list[int], out: dict[str, np.ndarray]) -> list[Draft]:
+        """The draft of each of `rows` from one round trip's outputs (out's row j is rows[j])."""
+        tokens, probs = out["draft_tokens"], out.get("accept_prob")
+        return [Draft.chain(self._cut(tokens[j], None if probs is None else probs[j], self._threshold(requests[i])))
+                for j, i in enumerate(rows)]
 
     @staticmethod
     def _cut(tokens: np.ndarray, probs: np.ndarray | None, threshold: float | None) -> list[int]:

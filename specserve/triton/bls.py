@@ -59,3 +59,51 @@ def text_type_call(spec: ModelSpec = schema.TEXT_CLASSIFIER):
             raise ClassifierUnavailable(str(e)) from None
         return Classification(found.decode() if isinstance(found, bytes) else str(found), prob)
     return classify
+def _try(spec: ModelSpec, inputs: dict[str, np.ndarray], outputs: tuple[str, ...]) -> dict[str, np.ndarray] | None:
+    try:
+        return _exec(spec, inputs, outputs)
+    except RuntimeError:
+        return None
+
+
+def mtp_call():
+    """The remote `mtp` proposer's call: the mtp_proposal ensemble; when it fails (a member model
+    unloaded), each drafter still loaded, then mtp_arbiter, by BLS one at a time. The answer's
+    `skipped` names the ensemble and the drafters left out (counted per request in spec_stats)."""
+    ensemble = proposal_call(schema.MTP_PROPOSAL)
+    tree_outputs = tuple(t.name for t in schema.MTP_ARBITER.outputs)
+    eagle_in = tuple(t.name for t in schema.EAGLE_PROPOSAL.inputs)
+
+    def call(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        try:
+            return ensemble(inputs)
+        except RuntimeError as e:
+            failure = e
+        drafted, skipped = {}, ["mtp_proposal"]
+        unknown = np.zeros(len(inputs[schema.SEQ_IDS.name]), dtype=bool)
+        backbone = _try(schema.EAGLE_BACKBONE, {k: inputs[k] for k in eagle_in},
+                        (schema.DRAFT_TOKENS.name, schema.DRAFT_HIDDEN.name, schema.DRAFT_SCALARS.name, schema.UNKNOWN.name))
+        if backbone is None:
+            skipped.append("eagle")
+        else:
+            unknown = backbone[schema.UNKNOWN.name]
+            drafted[schema.DRAFT_TOKENS.name] = backbone[schema.DRAFT_TOKENS.name]
+            drafted[schema.DRAFT_SCALARS.name] = backbone[schema.DRAFT_SCALARS.name]
+            # Without the calibration head EAGLE's chain is not cut (accept_prob left out).
+            cal = _try(schema.CALIBRATION_HEAD, {schema.DRAFT_HIDDEN.name: backbone[schema.DRAFT_HIDDEN.name],
+                                                 schema.DRAFT_SCALARS.name: backbone[schema.DRAFT_SCALARS.name]},
+                       (schema.ACCEPT_PROB.name,))
+            if cal is not None:
+                drafted.update(cal)
+        ngram = _try(schema.NGRAM_DRAFTER, {k: inputs[k] for k in (schema.CONTEXT_TOKENS.name, schema.MAX_DRAFT_LEN.name)},
+                     (schema.NGRAM_TOKENS.name,))
+        if ngram is None:
+            skipped.append("ngram")
+        else:
+            drafted.update(ngram)
+        if not drafted:
+            raise failure
+        settings = {t.name: inputs[t.name] for t in schema.TREE_SETTINGS}
+        out = _exec(schema.MTP_ARBITER, {**drafted, **settings}, tree_outputs)
+        return {**out, schema.UNKNOWN.name: unknown, "skipped": skipped}
+    return call

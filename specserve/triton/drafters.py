@@ -31,8 +31,8 @@ from specserve.triton.auth import grpc_headers
 # The models an operator may load / unload: every remote proposal ensemble and its parts, as
 # registered once in schema.REMOTE_PROPOSALS. The engine (target_verifier) and the llm ensembles
 # are not drafters and are refused.
-DRAFTER_MODELS = tuple(name for proposal, steps in schema.REMOTE_PROPOSALS.values()
-                       for name in (proposal.name, *(s.name for s in steps)))
+DRAFTER_MODELS = tuple(dict.fromkeys(name for proposal, steps in schema.REMOTE_PROPOSALS.values()
+                                     for name in (proposal.name, *(s.name for s in steps))))
 # What load / unload accept: the drafters, and text_classifier (the text-type gate's classifier,
 # text_gate.py), hot-loadable the same way: while it is unloaded, dflash requests keep dflash
 # (counted as decision=unavailable).

@@ -32,10 +32,12 @@ PROPOSERS: dict[str, Callable[[], "Proposer"]] = {
 }
 
 # Methods that need a trained drafter (given per deployment in EngineSettings.drafters).
-DRAFTED = ("eagle", "dflash")
-# Drafted methods that only run fused, in the engine process (DFlash keeps its per-sequence
-# memory beside the engine's features); with placement "remote" they stay fused.
-FUSED_ONLY = ("dflash",)
+DRAFTED = ("eagle", "dflash", "draft")
+# Drafted methods that run in the engine's process in either placement (the remote placement
+# moves the others out): DFlash keeps its per-sequence memory beside the engine's features;
+# "draft" is a separate small LM with its own KV cache (specserve.proposers.draft_model). Neither
+# has a remote export.
+FUSED_ONLY = ("dflash", "draft")
 # Methods whose rows step aside to a fallback method while their output repeats (the request's
 # spec_fallback, its tier's fallback, else EngineConfig.guard_fallback): never a fallback themselves.
 GUARDED = ("dflash",)
@@ -45,6 +47,12 @@ STATIC_METHODS = {"dspark": "eagle"}
 # The method the text-type gate (specserve/text_gate.py) acts on: a request whose effective method
 # is this one runs it only when its prompt's text type is configured to (else its fallback).
 GATED_METHOD = "dflash"
+# Composite methods, built from the other served proposers: `mtp` (specserve.proposers.multi_draft)
+# merges the drafts of every served sub-proposer in one tree; served as soon as one trained
+# sub-proposer is. Its own drafter folder (`--drafter mtp=DIR`, optional) holds the MTP heads.
+# Sub-proposer → the method whose drafter it is (None: needs none).
+COMPOSITE_METHODS = ("mtp",)
+MTP_SUBPROPOSERS = {"mtp_heads": "mtp", "eagle": "eagle", "draft": "draft", "ngram": None}
 PLACEMENTS = ("fused", "remote")
 DTYPES = ("float32", "bfloat16")
 DRAFTER_DTYPES = ("auto", *DTYPES)
@@ -97,8 +105,18 @@ def static_methods(drafters: tuple[tuple[str, str], ...]) -> list[str]:
     return [m for m, base in STATIC_METHODS.items() if base in served]
 
 
+def composite_methods(drafters: tuple[tuple[str, str], ...]) -> list[str]:
+    served = {m for m, _ in drafters}
+    trained = {m for m in MTP_SUBPROPOSERS.values() if m}
+    return ["mtp"] if served & trained and "mtp" not in served else []
+
+
+def served_methods(drafters: tuple[tuple[str, str], ...]) -> list[str]:
+    return ["none", *PROPOSERS, *(m for m, _ in drafters), *static_methods(drafters), *composite_methods(drafters)]
+
+
 def available_methods(settings: EngineSettings) -> list[str]:
-    return ["none", *PROPOSERS, *(m for m, _ in settings.drafters), *static_methods(settings.drafters)]
+    return served_methods(settings.drafters)
 
 
 def resolve_device(name: str) -> "torch.device":
@@ -133,6 +151,31 @@ def _static(method: str, folder: str, model, settings: EngineSettings, max_len: 
                           max_draft_len=settings.max_draft_len, threshold=settings.spec_threshold)
 
 
+def _mtp_heads(folder: str, model, settings: EngineSettings) -> "Proposer":
+    try:
+        from specserve.proposers.mtp import MTPHeadsProposer, load_mtp_heads
+    except ImportError as e:
+        raise ValueError(f"--drafter mtp={folder}: the MTP heads proposer is not available ({e})") from None
+    heads = load_mtp_heads(folder, model, dtype=resolve_drafter_dtype(settings.drafter_dtype, model))
+    return MTPHeadsProposer(heads, max_draft_len=settings.max_draft_len)
+
+
+def _mtp(proposers: dict, folder: str | None, model, settings: EngineSettings) -> "Proposer":
+    """The `mtp` method over every served sub-proposer, sharing the served methods' instances.
+    Remote placement runs it as the mtp_proposal ensemble (EAGLE and n-gram; remote_mtp.py); a
+    deployment without a remote EAGLE has no such ensemble, and runs mtp fused, as the draft model."""
+    from specserve.proposers.multi_draft import MultiDraftProposer
+
+    subs = [proposers[m] for sub, m in MTP_SUBPROPOSERS.items() if m and sub != "mtp_heads" and m in proposers]
+    subs.append(proposers["ngram"])
+    if settings.placement == "remote" and "eagle" in proposers:
+        from specserve.proposers.remote_mtp import remote_mtp
+        return remote_mtp(settings, [p.name for p in subs] + (["mtp_heads"] if folder else []))
+    if folder:
+        subs.append(_mtp_heads(folder, model, settings))
+    return MultiDraftProposer(subs, max_draft_len=settings.max_draft_len, vocab_size=model.cfg.vocab_size)
+
+
 def _drafted(method: str, folder: str, model, settings: EngineSettings, max_len: int) -> "Proposer":
     if method not in DRAFTED:
         raise ValueError(f"unknown drafter method {method!r}; drafters: {', '.join(DRAFTED)}")
@@ -145,6 +188,8 @@ def _drafted(method: str, folder: str, model, settings: EngineSettings, max_len:
                               block_size=settings.block_size)
         return DFlashProposer(drafter, model, max_num_seqs=settings.max_num_seqs, name=method,
                               threshold=settings.spec_threshold)
+    if method == "draft":
+        return _draft_model(folder, model, settings, max_len)
     if settings.placement == "remote":
         from specserve.proposers.remote import RemoteProposer
         from specserve.triton import bls
@@ -157,6 +202,16 @@ def _drafted(method: str, folder: str, model, settings: EngineSettings, max_len:
     return EagleProposer(drafter, model, max_num_seqs=settings.max_num_seqs,
                          max_model_len=max_len, max_draft_len=settings.max_draft_len,
                          threshold=settings.spec_threshold, name=method)
+
+
+def _draft_model(folder: str, model, settings: EngineSettings, max_len: int) -> "Proposer":
+    from specserve.proposers.draft_model import DraftModelProposer, load_draft_model
+
+    # Refuses a draft model whose tokenizer does not give the target's ids (check_tokenizer).
+    draft = load_draft_model(folder, model, load_tokenizer(settings.checkpoint),
+                             dtype=resolve_drafter_dtype(settings.drafter_dtype, model))
+    return DraftModelProposer(draft, max_num_seqs=settings.max_num_seqs, max_model_len=max_len,
+                              max_draft_len=settings.max_draft_len)
 
 
 def default_max_model_len(checkpoint: str | Path) -> int:
@@ -182,7 +237,10 @@ def build_engine(settings: EngineSettings):
                           max_queue_len=settings.max_queue_len, draft_policy=settings.draft_policy)
     proposers = {name: make() for name, make in PROPOSERS.items()}
     for method, folder in settings.drafters:
-        proposers[method] = _drafted(method, folder, model, settings, max_len)
+        if method != "mtp":
+            proposers[method] = _drafted(method, folder, model, settings, max_len)
+    if "mtp" in served_methods(settings.drafters):
+        proposers["mtp"] = _mtp(proposers, dict(settings.drafters).get("mtp"), model, settings)
     for method, base in STATIC_METHODS.items():
         folder = dict(settings.drafters).get(base)
         if folder:

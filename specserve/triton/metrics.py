@@ -28,6 +28,9 @@ _COUNTERS = {
     "accepted": ("specserve_spec_decode_num_accepted_tokens_total", "Drafted tokens accepted."),
     "per_position": ("specserve_spec_decode_num_accepted_tokens_per_pos_total",
                      "Drafted tokens accepted at each draft position (label position, from 0)."),
+    "by_proposer": ("specserve_spec_decode_num_accepted_tokens_per_proposer_total",
+                    "Drafted tokens accepted, credited to each proposer whose candidate lies on them "
+                    "(mtp; label proposer; a token several proposers drafted credits each)."),
     "requests": ("specserve_request_success_total", "Finished requests, by finish reason."),
     "prompt_tokens": ("specserve_prompt_tokens_total", "Prompt tokens prefilled."),
     "generation_tokens": ("specserve_generation_tokens_total", "Tokens generated."),
@@ -89,6 +92,9 @@ class TritonMetrics:
         labels = {"method": method, "tier": tier}
         self._inc("guard_steps", labels, steps)
         self._inc("guard_activations", labels, activations)
+    def accepted_by_proposer(self, method: str, tier: str, counts: dict[str, int]) -> None:
+        for proposer, n in counts.items():
+            self._inc("by_proposer", {"method": method, "tier": tier, "proposer": proposer}, n)
 
     def first_token(self, method: str, tier: str, seconds: float) -> None:
         self._queue.put(("ttft", {"method": method, "tier": tier}, "observe", seconds))

@@ -32,6 +32,8 @@ SAMPLING_KEYS: dict[str, str] = {
     "spec_threshold": _NUM,
     "draft_policy": "a string",
     "spec_fallback": "a string",
+    "mtp_proposers": "a list of strings",
+    "mtp_tree_budget": _INT,
 }
 # The draft policy, not sampling. draft_policy: "adaptive" (the engine picks each step's draft
 # length for the best expected goodput at the current load) or "fixed" (always the full length).
@@ -39,6 +41,10 @@ SAMPLING_KEYS: dict[str, str] = {
 # it away (specserve/text_gate.py) and while its repetition guard is on; before the tier's
 # fallback, then the server's (ngram). Any served method but dflash.
 SPEC_KEYS = ("spec_method", "num_draft_tokens", "spec_threshold", "draft_policy", "spec_fallback")
+# Method options (GenerationRequest.options), checked for type here and for meaning by the
+# method's proposer: mtp_proposers = the sub-proposers whose drafts `mtp` merges for this request
+# (of those served), mtp_tree_budget = the merged tree's nodes at most (≤ the server's max_draft_len).
+OPTION_KEYS = ("mtp_proposers", "mtp_tree_budget")
 
 
 class BadRequest(ValueError):
@@ -60,6 +66,7 @@ class RequestConfig:
     # that is the request's own method; None → the server's (EngineConfig.guard_fallback,
     # text_gate.DEFAULT_FALLBACK: both ngram).
     fallback_method: str | None = None
+    options: dict[str, Any] | None = None   # OPTION_KEYS the request (or its tier) set
     # The tier's scheduling priority (tiers.py; never a client's key): higher is admitted first
     # when the engine's slots are full (specserve/admission.py).
     priority: int = 0
@@ -121,6 +128,8 @@ def _check_type(key: str, value: Any) -> Any:
                              f"{' / '.join(GUARDED)}, got {json.dumps(value)}")
     if key in ("spec_method", "draft_policy", "spec_fallback") and isinstance(value, str):
         return value
+    if key == "mtp_proposers" and isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return value
     raise BadRequest(f"sampling_parameters.{key} must be {kind}, got {json.dumps(value)}")
 
 
@@ -147,6 +156,9 @@ def parse_sampling_parameters(raw: str | bytes | None) -> tuple[dict[str, Any], 
                          f"allowed: {', '.join(SAMPLING_KEYS)}")
     checked = {k: _check_type(k, v) for k, v in obj.items()}
     spec = {k: checked.pop(k) for k in SPEC_KEYS if k in checked}
+    options = {k: checked.pop(k) for k in OPTION_KEYS if k in checked}
+    if options:
+        spec["options"] = options
     return checked, spec
 
 
@@ -185,6 +197,14 @@ def apply_tier(tier: "Tier", sampling: dict[str, Any], spec: dict[str, Any]) -> 
     for key, value in tier_spec.items():
         if key not in spec and value is not None:
             spec[key] = value
+    tier_options = {"mtp_proposers": None if tier.proposers is None else list(tier.proposers),
+                    "mtp_tree_budget": tier.tree_budget}
+    options = dict(spec.get("options") or {})
+    for key, value in tier_options.items():
+        if key not in options and value is not None and spec.get("spec_method") == "mtp":
+            options[key] = value
+    if options:
+        spec["options"] = options
     if tier.max_tokens is not None:
         asked = sampling.get("max_tokens")
         if asked is None:

@@ -21,6 +21,9 @@ travel as model config parameters, because ensembles cannot carry constants (DES
       eagle_proposal/   config.pbtxt  1/            (ensemble: backbone → calibration head)
     and, with a text-type classifier (text_gate.py; preprocess calls it for dflash requests):
       text_classifier/  config.pbtxt  1/model.py 1/model.onnx 1/config.json
+      ngram_drafter/    config.pbtxt  1/model.py    (when mtp is served: remote_mtp.py)
+      mtp_arbiter/      config.pbtxt  1/model.py
+      mtp_proposal/     config.pbtxt  1/            (ensemble: EAGLE models ∥ ngram_drafter → mtp_arbiter)
 """
 
 from __future__ import annotations
@@ -28,12 +31,13 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specserve.text_gate import DEFAULT_DFLASH_TYPES
 from specserve.triton import schema
 from specserve.triton.auth import new_key
+from specserve.triton.factory import FUSED_ONLY
 from specserve.triton.schema import ModelSpec, TensorSpec
 from specserve.triton.tiers import Tier
 
@@ -173,13 +177,18 @@ def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
         render_tier(tier, params[schema.PREPROCESS.name], repo)
     if settings.text_classifier is not None:
         render_text_classifier(Path(settings.text_classifier), repo, version=1)
+    # Below, only drafters with remote models: mtp's own (the MTP heads) runs fused in either
+    # placement (remote_mtp.py).
+    settings = replace(settings, drafters=tuple((m, f) for m, f in settings.drafters if m != "mtp"))
     if settings.placement == "remote":
-        from specserve.triton.factory import FUSED_ONLY
-
-        for method, folder in (d for d in settings.drafters if d[0] not in FUSED_ONLY):
+        for method, folder in settings.drafters:
+            if method in FUSED_ONLY:
+                continue  # runs inside the engine in either placement (factory.FUSED_ONLY)
             render_eagle_proposal(Path(settings.checkpoint), Path(folder), repo, version=1,
                                   backend=settings.drafter_backend, max_num_seqs=settings.max_num_seqs,
                                   max_draft_len=settings.max_draft_len)
+        if (repo / schema.EAGLE_PROPOSAL.name).is_dir():   # mtp is served wherever EAGLE is
+            render_mtp_proposal(repo)
     return repo
 
 
@@ -209,6 +218,16 @@ def render_text_classifier(folder: Path, repo: Path, *, version: int) -> None:
     for name in (MODEL_FILE, CONFIG_FILE):
         shutil.copy2(folder / name, vdir / name)
     (repo / spec.name / "config.pbtxt").write_text(python_model_config(spec, {}))
+def render_mtp_proposal(repo: Path) -> None:
+    """ngram_drafter and mtp_arbiter (stateless Python models) and the mtp_proposal ensemble,
+    which reuses the EAGLE models render_eagle_proposal wrote."""
+    proposal, steps = schema.REMOTE_PROPOSALS[schema.MTP_PROPOSAL.name]
+    for spec in (schema.NGRAM_DRAFTER, schema.MTP_ARBITER):
+        (repo / spec.name / "1").mkdir(parents=True, exist_ok=True)
+        shutil.copy2(TEMPLATES / spec.name / "1" / "model.py", repo / spec.name / "1" / "model.py")
+        (repo / spec.name / "config.pbtxt").write_text(python_model_config(spec, {}))
+    (repo / proposal.name / "1").mkdir(parents=True, exist_ok=True)
+    (repo / proposal.name / "config.pbtxt").write_text(ensemble_config(proposal, steps))
 
 
 def tier_parameters(preprocess_params: dict[str, object], tier: Tier) -> dict[str, object]:

@@ -156,10 +156,37 @@ CALIBRATION_HEAD = ModelSpec("calibration_head", (DRAFT_HIDDEN, DRAFT_SCALARS), 
 EAGLE_PROPOSAL = ModelSpec("eagle_proposal", _DRAFT_IN, (DRAFT_TOKENS, ACCEPT_PROB, UNKNOWN))
 EAGLE_PROPOSAL_STEPS = (EAGLE_BACKBONE, CALIBRATION_HEAD)
 
+# mtp_proposal = ensemble(eagle_backbone → calibration_head ∥ ngram_drafter → mtp_arbiter): the
+# drafters run in parallel and the arbiter merges their drafts into one tree per row
+# (specserve/proposers/remote_mtp.py). Besides EAGLE's inputs the engine sends each row's tokens
+# (for n-gram lookup), its tree budget, its proposer set (bit i = multi_draft.SUBPROPOSERS[i]) and
+# its calibration threshold; it gets back a tree: tokens, parents (-1 = child of the pending
+# token) and per node the proposers whose candidate passes through it (same bits), -1 padded.
+CONTEXT_TOKENS = TensorSpec("context_tokens", "INT64", (-1, -1))   # [B, L], -1 padded
+TREE_BUDGET = TensorSpec("tree_budget", "INT64", (-1,))
+PROPOSER_MASK = TensorSpec("proposer_mask", "INT64", (-1,))
+ROW_THRESHOLD = TensorSpec("row_threshold", "FP32", (-1,))          # 0: no calibration cut
+NGRAM_TOKENS = TensorSpec("ngram_tokens", "INT64", (-1, -1))       # [B, K], -1 padded
+TREE_TOKENS = TensorSpec("tree_tokens", "INT64", (-1, -1))         # [B, N], -1 padded
+TREE_PARENTS = TensorSpec("tree_parents", "INT64", (-1, -1))
+TREE_SOURCES = TensorSpec("tree_sources", "INT64", (-1, -1))
+
+NGRAM_DRAFTER = ModelSpec("ngram_drafter", (CONTEXT_TOKENS, MAX_DRAFT_LEN), (NGRAM_TOKENS,))
+TREE_SETTINGS = (TREE_BUDGET, PROPOSER_MASK, ROW_THRESHOLD)
+# The drafters' outputs are optional: when the ensemble fails (a drafter unloaded), the engine
+# calls the drafters that are still loaded one by one and the arbiter with what they returned.
+MTP_ARBITER = ModelSpec("mtp_arbiter", tuple(replace(t, optional=True) for t in
+                                             (DRAFT_TOKENS, DRAFT_SCALARS, ACCEPT_PROB, NGRAM_TOKENS)) + TREE_SETTINGS,
+                        (TREE_TOKENS, TREE_PARENTS, TREE_SOURCES))
+MTP_PROPOSAL = ModelSpec("mtp_proposal", _DRAFT_IN + (CONTEXT_TOKENS,) + TREE_SETTINGS,
+                         (TREE_TOKENS, TREE_PARENTS, TREE_SOURCES, UNKNOWN))
+MTP_PROPOSAL_STEPS = (EAGLE_BACKBONE, CALIBRATION_HEAD, NGRAM_DRAFTER, MTP_ARBITER)
+
 # Every remote proposal model (hot-loadable through `specserve drafters`): the proposal ensemble
 # and the models it is made of, registered once here; drafters.py and the renderer derive from it.
 REMOTE_PROPOSALS: dict[str, tuple[ModelSpec, tuple[ModelSpec, ...]]] = {
     EAGLE_PROPOSAL.name: (EAGLE_PROPOSAL, EAGLE_PROPOSAL_STEPS),
+    MTP_PROPOSAL.name: (MTP_PROPOSAL, MTP_PROPOSAL_STEPS),
 }
 
 # -- the text-type gate (specserve/text_gate.py) ------------------------------------------------------

@@ -79,6 +79,7 @@ class _Stream:
     # Cumulative SpecStats already reported to metrics, so each output reports only its delta.
     reported: tuple[int, int, int] = (0, 0, 0)
     reported_per_position: list[int] = field(default_factory=list)
+    reported_by_proposer: dict[str, int] = field(default_factory=dict)
     # Once the final flag is out, Triton frees the request's response factory, and touching the
     # sender again (even is_cancelled) crashes tritonserver 2.51 (use after free). `done` records
     # that, under `lock`, which every final send and every is_cancelled call holds.
@@ -121,7 +122,7 @@ class VerifierService:
         req = GenerationRequest(rid, list(prompt_ids), params, config.spec_method,
                                 num_draft_tokens=config.num_draft_tokens, spec_threshold=config.spec_threshold,
                                 draft_policy=config.draft_policy, priority=config.priority,
-                                fallback_method=config.fallback_method)
+                                fallback_method=config.fallback_method, options=config.options)
         method = config.spec_method or self.engine.cfg.default_method
         num_sent = 0 if config.include_prompt else len(prompt_ids)
         stream = _Stream(rid, sender, config, method, list(prompt_ids), len(prompt_ids), num_sent)
@@ -262,6 +263,12 @@ class VerifierService:
         if any(delta) or any(delta_pos):
             _quietly(self.metrics.spec_step, s.method, s.config.tier, *delta, delta_pos)
         s.reported, s.reported_per_position = now, per_pos
+        by = st.accepted_by_proposer
+        delta_by = {k: n - s.reported_by_proposer.get(k, 0) for k, n in by.items() if n != s.reported_by_proposer.get(k, 0)}
+        report = getattr(self.metrics, "accepted_by_proposer", None)   # optional in a MetricsSink
+        if delta_by and report is not None:
+            _quietly(report, s.method, s.config.tier, delta_by)
+        s.reported_by_proposer = dict(by)
 
     def _on_state(self, state: LoopState) -> None:
         if self.metrics is not None:

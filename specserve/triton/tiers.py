@@ -39,12 +39,13 @@ from specserve.triton.schema import DEFAULT_TIER, TIER_NAME_PATTERN
 
 # Methods DESIGN.md §3 defines that no proposer implements yet: a tier naming one is refused with
 # a message saying so (not "unknown"), so a file written for a later release fails clearly.
-PLANNED_METHODS = ("mtp",)
+PLANNED_METHODS: tuple[str, ...] = ()
 PRIORITY_RANGE = (0, MAX_PRIORITY)   # admission.py: higher first, aged by steps waited
 # Settings of the planned methods, accepted by the schema so files can be written for them now,
 # checked for type and range, and refused on methods that do not use them.
 BLOCK_SIZE_RANGE = (2, 64)     # dflash: tokens drafted per block
-TREE_BUDGET_RANGE = (1, 64)    # mtp: draft-tree nodes verified per step
+TREE_BUDGET_RANGE = (1, 64)    # mtp: draft-tree nodes verified per step (→ mtp_tree_budget; the
+                               # engine caps it at its max_draft_len)
 FUTURE_SETTINGS = {"block_size": ("dflash",), "tree_budget": ("mtp",), "proposers": ("mtp",),
                    "dflash_text_types": ("dflash",)}
 
@@ -105,9 +106,15 @@ def default_tier() -> Tier:
 
 
 def known_methods() -> tuple[str, ...]:
-    from specserve.triton.factory import DRAFTED, PROPOSERS, STATIC_METHODS
+    from specserve.triton.factory import COMPOSITE_METHODS, DRAFTED, PROPOSERS, STATIC_METHODS
 
-    return ("none", *PROPOSERS, *DRAFTED, *STATIC_METHODS, *PLANNED_METHODS)
+    return ("none", *PROPOSERS, *DRAFTED, *STATIC_METHODS, *PLANNED_METHODS, *COMPOSITE_METHODS)
+
+
+def mtp_subproposers() -> tuple[str, ...]:
+    from specserve.triton.factory import MTP_SUBPROPOSERS
+
+    return tuple(MTP_SUBPROPOSERS)
 
 
 def _is_int(v: Any) -> bool:
@@ -182,7 +189,7 @@ def parse_tier(raw: Any, server: ServerLimits, index: int) -> Tier:
         got["tree_budget"] = _int_in(where, "proposer.tree_budget", prop["tree_budget"], *TREE_BUDGET_RANGE)
     if "proposers" in prop:
         ps = prop["proposers"]
-        known = [m for m in known_methods() if m not in ("none", "mtp")]
+        known = mtp_subproposers()
         if not isinstance(ps, list) or not ps or any(p not in known for p in ps):
             raise TierError(f"{where}: proposer.proposers must be a non-empty list of {', '.join(known)}, "
                             f"got {json.dumps(ps)}")

@@ -1,0 +1,281 @@
+"""MTP multi-draft through Triton, against none and EAGLE, on clean and typo'd held-out prompts.
+
+Part 1 (through Triton; one tritonserver, drafters FUSED in the engine: the remote placement's
+mtp merges only EAGLE and n-gram, see remote_mtp.py). Greedy, one request at a time, every
+configuration on every prompt in an order rotated per prompt, clean and typo'd sets alternated:
+
+    none      plain decoding
+    eagle     EAGLE + calibration head (threshold 0.3)
+    draft     the draft model alone (the `draft` method)
+    mtp       every served sub-proposer (MTP heads, EAGLE, draft model, n-gram), tree budget 16
+    mtp_fast  mtp without the draft model (mtp_proposers: mtp_heads, eagle, ngram)
+
+The typo'd set is docs/mtp/typo_prompts.jsonl (benchmarks/make_typo_prompts.py, seeded: ≥ 3
+typos per prompt). Per configuration and set: mean acceptance length, tokens/s, speedup over
+none, and each proposer's share of accepted tokens (a token several proposers drafted counts for
+each, so shares can add up to more than 1). Greedy outputs must equal none's.
+
+Part 2 (in-process engine, same weights; no Triton: these isolate the method): on clean prompts,
+acceptance length and tokens/s against the tree budget (4, 8, 16, 32 nodes), and what each extra
+proposer costs per step (proposer sets grown one at a time; each sub-proposer's own call time);
+and robustness: eagle, draft, mtp and mtp_fast on the clean, typo'd and heavily typo'd prompts
+(docs/mtp/typo_prompts_heavy.jsonl: a typo in every second word).
+
+    python benchmarks/mtp_bench.py [--prompts 16] [--new-tokens 64] [--out docs/mtp/bench.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "benchmarks"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from eagle_triton_bench import Tally, goal_line  # noqa: E402
+
+DEMO = ROOT / "models" / "demo"
+DRAFTERS = (("eagle", DEMO / "eagle"), ("draft", DEMO / "draft"), ("mtp", DEMO / "mtp"))
+FAST = ["mtp_heads", "eagle", "ngram"]
+CONFIGS: dict[str, dict] = {
+    "none": {"spec_method": "none"},
+    "eagle": {"spec_method": "eagle"},
+    "draft": {"spec_method": "draft"},
+    "mtp": {"spec_method": "mtp"},
+    "mtp_fast": {"spec_method": "mtp", "mtp_proposers": FAST},
+}
+SETS = ("clean", "typo")
+BUDGETS = (4, 8, 16, 32)
+GROWN = (["ngram"], ["ngram", "mtp_heads"], ["ngram", "mtp_heads", "eagle"], ["ngram", "mtp_heads", "eagle", "draft"])
+
+
+def _typo_set(name: str) -> dict[int, dict]:
+    return {r["id"]: r for r in map(json.loads, (ROOT / "docs/mtp" / name).read_text().splitlines())}
+
+
+def prompt_sets(n: int) -> dict[str, list[str]]:
+    held = [json.loads(line) for line in (DEMO / "heldout_prompts.jsonl").read_text().splitlines()]
+    typo, heavy = _typo_set("typo_prompts.jsonl"), _typo_set("typo_prompts_heavy.jsonl")
+    # code and prose interleaved, so a small n still has both
+    code, prose = [h for h in held if h["kind"] == "code"], [h for h in held if h["kind"] == "prose"]
+    order = [x for pair in zip(code, prose) for x in pair] + code[len(prose):]
+    chosen = order[:n]
+    for h in chosen:
+        assert typo[h["id"]]["clean"] == heavy[h["id"]]["clean"] == h["prompt"], \
+            "docs/mtp/typo_prompts*.jsonl are stale; rerun make_typo_prompts.py"
+    return {"clean": [h["prompt"] for h in chosen], "typo": [typo[h["id"]]["prompt"] for h in chosen],
+            "heavy": [heavy[h["id"]]["prompt"] for h in chosen]}
+
+
+def triton_part(args, sets: dict[str, list[str]]) -> dict:
+    from tqdm import tqdm
+
+    from specserve.triton.client import StreamClient
+    from specserve.triton.launch import TritonServer
+    from specserve.triton.render import RepositorySettings, render_repository
+
+    work = Path(tempfile.mkdtemp(prefix="mtp-bench-"))
+    repo = render_repository(RepositorySettings(DEMO / "target", max_num_seqs=2, max_model_len=1024,
+                                                max_draft_len=args.max_draft_len, default_method="none",
+                                                drafters=tuple((m, str(f)) for m, f in DRAFTERS),
+                                                placement="fused", spec_threshold=0.3), work / "model_repository")
+    srv = TritonServer(repo, work, None, log_file=work / "tritonserver.log").start()
+    configs = list(CONFIGS)
+    tallies = {s: {c: Tally() for c in configs} for s in SETS}
+    credits = {s: {c: {} for c in configs} for s in SETS}
+    try:
+        srv.wait_ready(600)
+        client = StreamClient(srv.grpc_url)
+        for c in configs * 2:   # warm-up, not timed
+            client.generate(sets["clean"][0], {"max_tokens": 16, "temperature": 0, **CONFIGS[c]})
+        runs = [(i, s, c) for i in range(len(sets["clean"])) for s in SETS
+                for c in configs[i % len(configs):] + configs[:i % len(configs)]]
+        for i, s, c in tqdm(runs, desc="requests", unit="req"):
+            out = client.generate(sets[s][i], {"max_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True,
+                                               **CONFIGS[c]})
+            st = out.spec_stats
+            if out.finish_reason != "length" or st.get("proposer_errors") or st.get("proposer_skipped"):
+                raise SystemExit(f"{c} {s} prompt {i}: finish {out.finish_reason}, stats {st}")
+            tallies[s][c].add(out)
+            for k, n in st.get("accepted_by_proposer", {}).items():
+                credits[s][c][k] = credits[s][c].get(k, 0) + n
+    finally:
+        srv.stop()
+    for s in SETS:
+        for c in configs:
+            if tallies[s][c].texts != tallies[s]["none"].texts:
+                raise SystemExit(f"LOSSLESSNESS VIOLATED: {c} greedy output differs from none on the {s} prompts")
+    out = {}
+    for s in SETS:
+        rows = {c: tallies[s][c].row(tallies[s]["none"]) for c in configs}
+        for c in configs:
+            acc = max(1, tallies[s][c].accepted)
+            if credits[s][c]:
+                rows[c]["share_of_accepted"] = {k: round(n / acc, 3) for k, n in sorted(credits[s][c].items())}
+            rows[c]["identical_to_none"] = f"{len(tallies[s][c].texts)}/{len(tallies[s]['none'].texts)}"
+        out[s] = rows
+    return out
+
+
+ROBUST = {"eagle": ("eagle", None), "draft": ("draft", None), "mtp": ("mtp", None),
+          "mtp_fast": ("mtp", {"mtp_proposers": FAST})}
+
+
+def in_process_part(args, sets: dict[str, list[str]]) -> dict:
+    """Tree-budget sweep and per-proposer cost, on an engine built like the server's."""
+    import torch
+
+    from specserve.engine import GenerationRequest
+    from specserve.sampling import SamplingParams
+    from specserve.triton.factory import EngineSettings, build_engine
+
+    torch.set_num_threads(1)
+    engine, tok = build_engine(EngineSettings(DEMO / "target", max_num_seqs=2, max_model_len=1024,
+                                              max_draft_len=max(BUDGETS), drafters=tuple((m, str(f)) for m, f in DRAFTERS),
+                                              spec_threshold=0.3))
+    mtp = engine.proposers["mtp"]
+    timers = {name: [0.0, 0] for name in mtp.subs}
+    for name, sub in mtp.subs.items():   # time each sub-proposer's own call
+        def timed(requests, _inner=sub.propose, _t=timers[name]):
+            t0 = time.perf_counter()
+            try:
+                return _inner(requests)
+            finally:
+                _t[0] += time.perf_counter() - t0
+                _t[1] += 1
+        sub.propose = timed
+    ids = {s: [tok.encode(p).ids for p in ps] for s, ps in sets.items()}
+    # (label, method, options, prompt set); every configuration on every prompt, order rotated per prompt
+    configs = [("none", "none", None, "clean"), ("eagle", "eagle", None, "clean"),
+               *((f"budget {b}", "mtp", {"mtp_tree_budget": b}, "clean") for b in BUDGETS),
+               *(("+".join(g), "mtp", {"mtp_proposers": g, "mtp_tree_budget": 16}, "clean") for g in GROWN),
+               *((f"{s} {c}", m, o, s) for s in sets for c, (m, o) in ROBUST.items())]
+    sums = {label: {"steps": 0, "acc": 0, "drafted": 0, "out": 0, "draft_s": 0.0, "verify_s": 0.0, "wall": 0.0}
+            for label, *_ in configs}
+    calls = {label: {name: [0.0, 0] for name in mtp.subs} for label, *_ in configs}
+    n = len(ids["clean"])
+    warm = {m: (m, m, None, "clean") for _, m, *_ in configs}   # pass 0: each method once, not counted
+    for i in range(n + 1):
+        todo = list(warm.values()) if i == 0 else configs[i % len(configs):] + configs[:i % len(configs)]
+        for label, method, options, pset in todo:
+            p = ids[pset][max(i - 1, 0)]
+            for t in timers.values():
+                t[:] = [0.0, 0]
+            t0 = time.perf_counter()
+            o = engine.generate([GenerationRequest("r", p, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True),
+                                                   method, options=options)])["r"]
+            if i == 0:
+                continue
+            s, st = sums[label], o.stats
+            s["wall"] += time.perf_counter() - t0
+            s["steps"] += st.steps
+            s["acc"] += st.accepted_tokens
+            s["drafted"] += st.draft_tokens
+            s["out"] += len(o.new_token_ids)
+            s["draft_s"] += st.draft_seconds
+            s["verify_s"] += st.verify_seconds
+            if method == "mtp":
+                for name, t in timers.items():
+                    calls[label][name][0] += t[0]
+                    calls[label][name][1] += t[1]
+    rows = {}
+    for label, method, *_ in configs:
+        s = sums[label]
+        rows[label] = {"mean_acceptance_length": round((s["acc"] + s["steps"]) / s["steps"], 3),
+                       "tok_s": round(s["out"] / s["wall"], 2),
+                       "draft_tokens_per_step": round(s["drafted"] / s["steps"], 2),
+                       "draft_ms_per_step": round(1e3 * s["draft_s"] / s["steps"], 2),
+                       "verify_ms_per_step": round(1e3 * s["verify_s"] / s["steps"], 2)}
+        if method == "mtp":
+            rows[label]["sub_proposer_ms_per_call"] = {k: round(1e3 * t[0] / t[1], 2) for k, t in calls[label].items() if t[1]}
+    for r in rows.values():
+        r["speedup_vs_none"] = round(r["tok_s"] / rows["none"]["tok_s"], 3)
+    return {"none": rows["none"], "eagle": rows["eagle"],
+            "tree_budget": {b: rows[f"budget {b}"] for b in BUDGETS},
+            "proposer_sets": {"+".join(g): rows["+".join(g)] for g in GROWN},
+            "robustness": {s: {c: rows[f"{s} {c}"] for c in ROBUST} for s in sets}}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--max-draft-len", type=int, default=16, help="the server's (= mtp's default tree budget)")
+    ap.add_argument("--sweep-prompts", type=int, default=8, help="prompts for the in-process part")
+    ap.add_argument("--skip-triton", action="store_true")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    sets = prompt_sets(args.prompts)
+    from specserve.paths import shown
+
+    result = {"target": shown(DEMO / "target"), "drafters": {m: shown(f) for m, f in DRAFTERS},
+              "prompts": args.prompts, "new_tokens": args.new_tokens, "max_draft_len": args.max_draft_len,
+              "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+              "command": " ".join(["python", "benchmarks/mtp_bench.py", *(argv if argv is not None else sys.argv[1:])])}
+    if not args.skip_triton:
+        result["triton"] = triton_part(args, sets)
+    result["in_process"] = in_process_part(args, {s: ps[:args.sweep_prompts] for s, ps in sets.items()})
+
+    if "triton" in result:
+        for s in SETS:
+            print(f"\n{s} prompts (through Triton, fused drafters)")
+            print("| config | tok/s | speedup vs none | mean acceptance length | draft tok/step | step ms | draft ms | "
+                  "verify ms | share of accepted tokens |")
+            print("|---|---|---|---|---|---|---|---|---|")
+            for c, r in result["triton"][s].items():
+                share = ", ".join(f"{k} {v:.0%}" for k, v in r.get("share_of_accepted", {}).items())
+                print(f"| {c} | {r['tok_s']} | {r['speedup_vs_none']}× | {r['mean_acceptance_length']} | "
+                      f"{r['draft_tokens_per_step']} | {r['step_ms']} | {r['draft_ms']} | {r['verify_ms']} | {share} |")
+        t = result["triton"]
+        al = {s: {c: t[s][c]["mean_acceptance_length"] for c in CONFIGS} for s in SETS}
+        goals = {"mtp_vs_eagle_acceptance_clean": round(al["clean"]["mtp"] / al["clean"]["eagle"], 3),
+                 "eagle_acceptance_drop_typo": round(1 - al["typo"]["eagle"] / al["clean"]["eagle"], 3),
+                 "mtp_acceptance_drop_typo": round(1 - al["typo"]["mtp"] / al["clean"]["mtp"], 3),
+                 "mtp_vs_eagle_speedup_clean": round(t["clean"]["mtp"]["speedup_vs_none"] / t["clean"]["eagle"]["speedup_vs_none"], 3),
+                 "mtp_fast_vs_eagle_speedup_clean": round(t["clean"]["mtp_fast"]["speedup_vs_none"] / t["clean"]["eagle"]["speedup_vs_none"], 3)}
+        result["goals"] = goals
+        print()
+        print(goal_line("mtp / eagle mean acceptance length, clean", goals["mtp_vs_eagle_acceptance_clean"], 1.15, "×"))
+        print(f"acceptance length drop on typo'd prompts: mtp {goals['mtp_acceptance_drop_typo']:.1%}, "
+              f"eagle {goals['eagle_acceptance_drop_typo']:.1%} (goal: mtp's smaller)")
+        print(goal_line("mtp speedup / eagle speedup, clean", goals["mtp_vs_eagle_speedup_clean"], 1.0, "×"))
+        print(goal_line("mtp_fast speedup / eagle speedup, clean", goals["mtp_fast_vs_eagle_speedup_clean"], 1.0, "×"))
+    ip = result["in_process"]
+    print("\nin-process, clean prompts: tree budget")
+    print("| budget | mean acceptance length | tok/s | speedup vs none | draft ms/step | verify ms/step |")
+    print("|---|---|---|---|---|---|")
+    for b, r in ip["tree_budget"].items():
+        print(f"| {b} | {r['mean_acceptance_length']} | {r['tok_s']} | {r['speedup_vs_none']}× | "
+              f"{r['draft_ms_per_step']} | {r['verify_ms_per_step']} |")
+    print("\nin-process, clean prompts: proposers added one at a time (budget 16)")
+    print("| proposers | mean acceptance length | tok/s | speedup vs none | draft ms/step | verify ms/step | ms per call of each |")
+    print("|---|---|---|---|---|---|---|")
+    for g, r in ip["proposer_sets"].items():
+        calls = ", ".join(f"{k} {v}" for k, v in r.get("sub_proposer_ms_per_call", {}).items())
+        print(f"| {g} | {r['mean_acceptance_length']} | {r['tok_s']} | {r['speedup_vs_none']}× | "
+              f"{r['draft_ms_per_step']} | {r['verify_ms_per_step']} | {calls} |")
+    print(f"(eagle alone: acceptance {ip['eagle']['mean_acceptance_length']}, {ip['eagle']['speedup_vs_none']}× over none)")
+    rob = ip["robustness"]
+    print("\nin-process robustness: mean acceptance length (change vs clean)")
+    print("| config | " + " | ".join(rob) + " |")
+    print("|---|" + "---|" * len(rob))
+    for c in ROBUST:
+        clean = rob["clean"][c]["mean_acceptance_length"]
+        cells = [f"{rob[s][c]['mean_acceptance_length']} ({rob[s][c]['mean_acceptance_length'] / clean - 1:+.1%})"
+                 for s in rob]
+        print(f"| {c} | " + " | ".join(cells) + " |")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

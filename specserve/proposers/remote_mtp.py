@@ -1,0 +1,170 @@
+"""`mtp`, remote placement: the drafters run as Triton models in parallel inside the ensemble
+`mtp_proposal` (eagle_backbone → calibration_head ∥ ngram_drafter), feeding `mtp_arbiter`, which
+merges their drafts with the same arbiter as the fused method (arbiter.py); the engine calls the
+ensemble once per step by BLS (schema.MTP_PROPOSAL says what travels).
+
+A Triton ensemble fails as a whole when one of its models is unloaded. Then the call falls back
+(specserve.triton.bls.mtp_call): it calls the drafter models that are still loaded one by one,
+and mtp_arbiter with what they returned; the step's draft lists the ensemble and every drafter
+left out in Draft.skipped (spec_stats `proposer_skipped`). If the arbiter or every drafter is
+gone, the call fails and the engine decodes the step plainly (RemoteProposer: back-off, never a
+failed request). EAGLE's per-sequence state lives in eagle_backbone as for remote EAGLE: a
+drafter that missed steps answers `unknown` and is re-primed with the history.
+
+Here: the engine-side proposer and the numpy functions the two Triton models run (also called
+in-process by tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable
+
+import numpy as np
+
+from specserve.proposers.arbiter import ArbiterConfig, Candidate, arbitrate
+from specserve.proposers.base import Draft, DraftRequest
+from specserve.proposers.multi_draft import OPT_BUDGET, OPT_PROPOSERS, SUBPROPOSERS
+from specserve.proposers.ngram import NgramProposer, lookup
+from specserve.proposers.remote import Call, RemoteProposer
+
+log = logging.getLogger("specserve.remote_mtp")
+
+# The sub-proposers the remote ensemble runs (the MTP heads and the draft model are fused only).
+REMOTE_SUBPROPOSERS = ("eagle", "ngram")
+NGRAM = NgramProposer()   # the fused method's n-gram settings, shared
+
+
+def mask_of(names) -> int:
+    return sum(1 << SUBPROPOSERS.index(n) for n in names)
+
+
+def names_of(mask: int) -> tuple[str, ...]:
+    return tuple(n for i, n in enumerate(SUBPROPOSERS) if mask >> i & 1)
+
+
+# -- what the Triton models compute --------------------------------------------------------------------
+def ngram_batch(context_tokens: np.ndarray, max_draft_len: np.ndarray) -> np.ndarray:
+    """ngram_drafter: [B, L] tokens (-1 padded), [B] → [B, K] lookup drafts (-1 padded)."""
+    rows = [lookup([int(t) for t in row if t >= 0], max_n=NGRAM.max_n, min_n=NGRAM.min_n, k=min(NGRAM.k, int(k)))
+            for row, k in zip(context_tokens, max_draft_len)]
+    out = np.full((len(rows), max((len(r) for r in rows), default=0)), -1, dtype=np.int64)
+    for b, r in enumerate(rows):
+        out[b, :len(r)] = r
+    return out
+
+
+def _eagle_candidate(tokens: np.ndarray, scalars: np.ndarray | None, accept: np.ndarray | None,
+                     threshold: float) -> Candidate | None:
+    """EAGLE's chain up to its calibration cut (as RemoteProposer._cut); confidence = log of the
+    drafter's top-1 probability (draft_scalars[..., 0]), as the fused proposer's Draft.logprobs."""
+    kept = RemoteProposer._cut(tokens, accept, threshold if threshold > 0 else None)
+    if not kept:
+        return None
+    lps = [math.log(max(float(scalars[j, 0]), 1e-30)) if scalars is not None else ArbiterConfig().prior("eagle")
+           for j in range(len(kept))]
+    return Candidate("eagle", tuple(kept), tuple(lps))
+
+
+def arbitrate_batch(inputs: dict[str, np.ndarray | None], config: ArbiterConfig = ArbiterConfig()) -> dict[str, np.ndarray]:
+    """mtp_arbiter: the drafters' outputs (any may be None) and each row's tree budget, proposer
+    mask and threshold → the merged tree per row, -1 padded (schema.MTP_ARBITER)."""
+    budget, mask, threshold = inputs["tree_budget"], inputs["proposer_mask"], inputs["row_threshold"]
+    eagle, scalars, accept, ngram = (inputs.get(k) for k in ("draft_tokens", "draft_scalars", "accept_prob",
+                                                              "ngram_tokens"))
+    trees = []
+    for b in range(len(budget)):
+        wanted = names_of(int(mask[b]))
+        cands = []
+        if "eagle" in wanted and eagle is not None and eagle.size:
+            c = _eagle_candidate(eagle[b], None if scalars is None else scalars[b],
+                                 None if accept is None else accept[b], float(threshold[b]))
+            cands += [c] if c else []
+        if "ngram" in wanted and ngram is not None and ngram.size:
+            toks = tuple(int(t) for t in ngram[b] if t >= 0)
+            cands += [Candidate("ngram", toks, (config.prior("ngram"),) * len(toks))] if toks else []
+        cfg = ArbiterConfig(int(budget[b]), config.keep, config.bonus, config.priors, config.default_prior)
+        trees.append(arbitrate(cands, cfg, list(SUBPROPOSERS)).draft)
+    N = max((len(t) for t in trees), default=0)
+    out = {k: np.full((len(trees), N), -1, dtype=np.int64) for k in ("tree_tokens", "tree_parents", "tree_sources")}
+    for b, t in enumerate(trees):
+        out["tree_tokens"][b, :len(t)] = t.tokens
+        out["tree_parents"][b, :len(t)] = t.parents
+        out["tree_sources"][b, :len(t)] = [mask_of(s) for s in t.sources]
+    return out
+
+
+def in_process_call(eagle_call: Callable[[dict], dict] | None) -> Call:
+    """What the mtp_proposal ensemble computes, without Triton (tests): `eagle_call` is EAGLE's
+    proposal (eagle_onnx.in_process_call), None when it is down."""
+    def call(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        drafted = {"ngram_tokens": ngram_batch(inputs["context_tokens"], inputs["max_draft_len"])}
+        B = len(inputs["seq_ids"])
+        unknown = np.zeros(B, dtype=bool)
+        if eagle_call is not None:
+            e = eagle_call({k: inputs[k] for k in ("seq_ids", "valid_from", "num_new", "features", "next_tokens",
+                                                   "max_draft_len")})
+            drafted.update(draft_tokens=e["draft_tokens"], accept_prob=e.get("accept_prob"),
+                           draft_scalars=e.get("draft_scalars"))
+            unknown = e["unknown"]
+        out = arbitrate_batch({**drafted, **{k: inputs[k] for k in ("tree_budget", "proposer_mask", "row_threshold")}})
+        return {**out, "unknown": unknown}
+    return call
+
+
+# -- the engine side ------------------------------------------------------------------------------------
+class RemoteMTPProposer(RemoteProposer):
+    """RemoteProposer's feature history, re-priming, timeout and back-off, for tree drafts."""
+
+    def __init__(self, call: Call, *, served: tuple[str, ...], max_draft_len: int, budget: int,
+                 depth: int = 8, threshold: float | None = 0.3, release=None, **kw):
+        super().__init__("mtp", call, max_draft_len=max_draft_len, threshold=threshold, release=release, **kw)
+        self.served, self.budget, self.depth = served, budget, depth
+
+    def check_options(self, options: dict) -> None:
+        from specserve.proposers.multi_draft import check_options
+        check_options(options, self.served, self.max_draft_len)
+
+    def _request_len(self, r: DraftRequest) -> int:
+        return min(r.max_draft_len, self.depth)
+
+    def _batch(self, requests, rows, *, reprime):
+        batch = super()._batch(requests, rows, reprime=reprime)
+        L = max(len(requests[i].token_ids) for i in rows)
+        context = np.full((len(rows), L), -1, dtype=np.int64)
+        budget, mask, threshold = [], [], []
+        for j, i in enumerate(rows):
+            r = requests[i]
+            context[j, :len(r.token_ids)] = r.token_ids
+            opts = r.options or {}
+            budget.append(min(opts.get(OPT_BUDGET) or self.budget, r.max_draft_len))
+            mask.append(mask_of(opts.get(OPT_PROPOSERS) or self.served))
+            threshold.append(self._threshold(r) or 0.0)
+        return {**batch, "context_tokens": context, "tree_budget": np.array(budget, dtype=np.int64),
+                "proposer_mask": np.array(mask, dtype=np.int64), "row_threshold": np.array(threshold, dtype=np.float32)}
+
+    def _row_drafts(self, requests, rows, out) -> list[Draft]:
+        skipped = tuple(out.get("skipped", ()))
+        drafts = []
+        for j in range(len(rows)):
+            n = int((out["tree_tokens"][j] >= 0).sum())
+            drafts.append(Draft([int(t) for t in out["tree_tokens"][j, :n]], [int(p) for p in out["tree_parents"][j, :n]],
+                                None, sources=[names_of(int(m)) for m in out["tree_sources"][j, :n]], skipped=skipped))
+        return drafts
+
+
+def remote_mtp(settings, served: list[str]) -> RemoteMTPProposer:
+    """The remote `mtp` proposer of a deployment (factory._mtp). Served sub-proposers that have no
+    remote model (the MTP heads, the draft model) are not part of remote mtp; said in the log, and
+    a request naming one is told it is not served."""
+    from specserve.proposers.arbiter import DEFAULT_BUDGET
+    from specserve.triton import bls
+
+    left_out = [n for n in served if n not in REMOTE_SUBPROPOSERS]
+    if left_out:
+        log.warning("remote mtp merges %s; %s run fused only and are left out of it (serve with "
+                    "--placement fused to include them)", ", ".join(REMOTE_SUBPROPOSERS), ", ".join(left_out))
+    served = [n for n in served if n in REMOTE_SUBPROPOSERS]
+    return RemoteMTPProposer(bls.mtp_call(), served=tuple(served), max_draft_len=settings.max_draft_len,
+                             budget=DEFAULT_BUDGET, threshold=settings.spec_threshold, release=bls.release_call())

@@ -1,0 +1,338 @@
+"""MTP multi-draft: the arbiter pinned on hand-made candidates, the fused `mtp` method lossless
+(greedy equal to plain decoding, sampled following the target, with a broken sibling residual
+shown to fail), sub-proposer failures and rollback, per-request options."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tiny_checkpoint
+from specserve import verify
+from specserve.engine import Engine, EngineConfig, GenerationRequest, RequestRejected
+from specserve.model import load_model
+from specserve.proposers.arbiter import ArbiterConfig, Candidate, arbitrate, score_candidates
+from specserve.proposers.base import Draft, DraftRequest, ProposerError, StepOutcome
+from specserve.proposers.eagle import EagleProposer
+from specserve.proposers.multi_draft import MultiDraftProposer, candidates_of, map_nodes, sub_outcome
+from specserve.proposers.ngram import NgramProposer
+from specserve.sampling import SamplingParams
+from specserve.triton.params import BadRequest, make_request_config
+from test_eagle import PROMPTS, random_drafter, two_token_joint_tv
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- the arbiter ------------------------------------------------------------------------------------
+def C(p, toks, lps):
+    return Candidate(p, tuple(toks), tuple(lps))
+
+
+def test_arbiter_worked_example_tree_sources_and_values():
+    """The module docstring's example: shared prefix merged, agreement credited, ngram's prior."""
+    cands = [C("eagle", [5, 6, 7], [-0.1, -0.2, -2.0]), C("ngram", [5, 6, 9], [-1, -1, -1])]
+    assert score_candidates(cands, bonus=1.0) == [-2.0, -1.0]
+    r = arbitrate(cands, ArbiterConfig(budget=16))
+    assert r.draft.tokens == [5, 6, 9, 7] and r.draft.parents == [-1, 0, 1, 1] and r.draft.probs is None
+    assert r.draft.sources == [("eagle", "ngram"), ("eagle", "ngram"), ("ngram",), ("eagle",)]
+    assert r.values == [0.0, 0.0, -1.0, -2.0]
+    assert [c.proposer for c in r.kept] == ["ngram", "eagle"] and r.scores == [-1.0, -2.0]
+    cut = arbitrate(cands, ArbiterConfig(budget=3))
+    assert (cut.draft.tokens, cut.draft.parents) == ([5, 6, 9], [-1, 0, 1])
+
+
+def test_arbiter_budget_keeps_the_best_nodes_without_orphans():
+    """Three proposers: a confident chain, a weak chain, and one agreeing with the first's prefix.
+    Each cut keeps the N best nodes, and every kept node's parent is kept."""
+    cands = [C("mtp_heads", [1, 2, 3, 4], [-0.1, -0.1, -0.3, -0.5]),
+             C("eagle", [1, 2, 8], [-0.2, -0.4, -0.2]),
+             C("ngram", [7, 7, 7], [-1, -1, -1])]
+    full = arbitrate(cands, ArbiterConfig(budget=16))
+    # eagle's candidate scores best (-0.2: [1 2] agreed on, then -0.2), so its nodes come first
+    assert [c.proposer for c in full.kept] == ["eagle", "mtp_heads", "ngram"]
+    assert full.scores == pytest.approx([-0.2, -0.8, -3.0])
+    assert full.draft.tokens == [1, 2, 8, 3, 4, 7, 7, 7]
+    assert full.draft.parents == [-1, 0, 1, 1, 3, -1, 5, 6]
+    assert full.values == pytest.approx([0.0, 0.0, -0.2, -0.3, -0.8, -1.0, -2.0, -3.0])
+    want = {1: [1], 2: [1, 2], 3: [1, 2, 8], 4: [1, 2, 8, 3], 5: [1, 2, 8, 3, 4], 6: [1, 2, 8, 3, 4, 7]}
+    for n, tokens in want.items():
+        d = arbitrate(cands, ArbiterConfig(budget=n)).draft
+        assert d.tokens == tokens, n
+        assert all(p < i for i, p in enumerate(d.parents))
+        d.check()
+    assert arbitrate(cands, ArbiterConfig(budget=0)).draft.tokens == []
+
+
+def test_arbiter_keeps_the_best_few_and_breaks_ties_by_proposer_order():
+    cands = [C("ngram", [4], [-1.0]), C("eagle", [5], [-1.0]), C("mtp_heads", [6], [-0.5]), C("draft", [9], [-3.0])]
+    r = arbitrate(cands, ArbiterConfig(keep=3), order=["mtp_heads", "eagle", "draft", "ngram"])
+    # equal scores: eagle before ngram (configured order); draft (worst) is not kept
+    assert [c.proposer for c in r.kept] == ["mtp_heads", "eagle", "ngram"]
+    assert r.draft.tokens == [6, 5, 4] and r.draft.parents == [-1, -1, -1]
+    again = arbitrate(list(reversed(cands)), ArbiterConfig(keep=3), order=["mtp_heads", "eagle", "draft", "ngram"])
+    assert again.draft.tokens == r.draft.tokens   # deterministic whatever the input order
+
+
+def test_agreement_outranks_a_lone_confident_candidate():
+    """Two weak proposers agreeing on [3, 4] beat one confident proposer's [8, 9]."""
+    cands = [C("eagle", [8, 9], [-0.4, -0.4]), C("ngram", [3, 4], [-1, -1]), C("draft", [3, 4], [-0.9, -0.9])]
+    r = arbitrate(cands, ArbiterConfig(budget=2, bonus=1.0))
+    assert r.draft.tokens == [3, 4] and r.draft.sources == [("draft", "ngram"), ("draft", "ngram")]
+    lone = arbitrate(cands, ArbiterConfig(budget=2, bonus=0.0))
+    assert lone.draft.tokens == [8, 9]
+
+
+def test_sub_draft_paths_logprobs_and_outcome_translation():
+    tree = Draft([10, 11, 12, 13], [-1, 0, 0, 2], logprobs=[-0.1, -0.2, -0.3, -0.4])
+    assert candidates_of("mtp_heads", tree, prior=-1.0) == [
+        C("mtp_heads", [10, 11], [-0.1, -0.2]), C("mtp_heads", [10, 12, 13], [-0.1, -0.3, -0.4])]
+    probs = torch.zeros(2, 16)
+    probs[0, 3], probs[1, 4] = 0.5, 0.25
+    got = candidates_of("eagle", Draft.chain([3, 4], probs), prior=-1.0)[0]
+    assert got.logprobs == pytest.approx((-0.6931, -1.3863), abs=1e-4)
+    assert candidates_of("ngram", Draft.chain([1, 2]), prior=-0.7)[0].logprobs == (-0.7, -0.7)
+
+    merged = Draft([10, 12, 5, 13], [-1, 0, -1, 1])
+    where = map_nodes(tree, merged)
+    assert where == [0, None, 1, 3]
+    out = sub_outcome(7, tree, where, StepOutcome(7, 4, [0, 1, 3], [10, 12, 13, 2]))
+    assert (out.num_drafted, out.accepted_nodes, out.emitted) == (4, [0, 2, 3], [10, 12, 13, 2])
+    other = sub_outcome(7, tree, where, StepOutcome(7, 4, [2], [5, 1]))
+    assert other.accepted_nodes == []
+
+
+# -- the fused method through the engine -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def target_path(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("t"), "llama", seed=21)
+
+
+class Fixed:
+    """A scripted sub-proposer drafting a fixed chain (recording what it was told)."""
+    needs_features = False
+
+    def __init__(self, name, tokens, logprob=-0.5, fail_on=()):
+        self.name, self.tokens, self.logprob, self.fail_on = name, tokens, logprob, set(fail_on)
+        self.calls, self.outcomes, self.released = 0, [], []
+
+    def propose(self, requests):
+        self.calls += 1
+        if self.calls in self.fail_on:
+            raise ProposerError(f"{self.name} is down")
+        return [Draft.chain(self.tokens[:r.max_draft_len], logprobs=[self.logprob] * min(len(self.tokens), r.max_draft_len))
+                for r in requests]
+
+    def observe(self, outcomes):
+        self.outcomes += outcomes
+
+    def release(self, seq_id):
+        self.released.append(seq_id)
+
+
+class Flaky:
+    """Wraps a proposer; its `fail_on`-th calls raise ProposerError (like a remote drafter down)."""
+
+    def __init__(self, inner, fail_on):
+        self.inner, self.fail_on, self.calls = inner, set(fail_on), 0
+        self.name, self.needs_features = inner.name, inner.needs_features
+
+    def propose(self, requests):
+        self.calls += 1
+        if self.calls in self.fail_on:
+            raise ProposerError("down for this step")
+        return self.inner.propose(requests)
+
+    def observe(self, outcomes):
+        self.inner.observe(outcomes)
+
+    def release(self, seq_id):
+        self.inner.release(seq_id)
+
+
+def mtp_engine(target, subs, *, max_draft_len=8, max_num_seqs=4, budget=16):
+    mtp = MultiDraftProposer(subs, max_draft_len=max_draft_len, arbiter=ArbiterConfig(budget=budget),
+                             vocab_size=target.cfg.vocab_size)
+    return Engine(target, EngineConfig(max_num_seqs=max_num_seqs, max_model_len=256, max_draft_len=max_draft_len),
+                  {"mtp": mtp}, eos_token_ids=())
+
+
+def eagle(target, seed=1, max_num_seqs=4, max_draft_len=8):
+    return EagleProposer(random_drafter(target, seed=seed), target, max_num_seqs=max_num_seqs, max_model_len=256,
+                         max_draft_len=max_draft_len, threshold=None)
+
+
+def reqs(method, n=20, **kw):
+    return [GenerationRequest(f"{method}{i}", p, SamplingParams(max_tokens=n), method, **kw) for i, p in enumerate(PROMPTS)]
+
+
+def test_greedy_mtp_equals_plain_decoding_and_credits_proposers(target_path):
+    target = load_model(target_path)
+    plain = {k[4:]: o for k, o in mtp_engine(target, [NgramProposer()]).generate(reqs("none")).items()}
+    # A "draft" sub that always guesses the first prompt's continuation: accepted only there.
+    want0 = plain["0"].new_token_ids
+    guess = Fixed("draft", want0[1:6])
+    engine = mtp_engine(target, [eagle(target), NgramProposer(), guess])
+    spec = engine.generate(reqs("mtp"))
+    for i in range(len(PROMPTS)):
+        assert spec[f"mtp{i}"].new_token_ids == plain[str(i)].new_token_ids, i
+    s0 = spec["mtp0"].stats
+    assert s0.steps < 20 - 4 and s0.accepted_by_proposer["draft"] >= 4   # its guess was taken in one step
+    for o in spec.values():
+        st = o.stats
+        assert set(st.accepted_by_proposer) <= {"eagle", "ngram", "draft"} and not st.proposer_skipped
+        # every accepted token was drafted by at least one proposer; none is credited twice by one
+        assert max(st.accepted_by_proposer.values(), default=0) <= st.accepted_tokens
+        assert sum(st.accepted_by_proposer.values()) >= st.accepted_tokens
+        assert st.to_dict()["accepted_by_proposer"] == st.accepted_by_proposer
+    assert engine.num_free_slots == 4 and engine.proposers["mtp"].subs["eagle"].cache.num_free == 4
+    assert sorted(guess.released) == sorted(range(len(PROMPTS)))
+
+
+def test_a_failing_sub_proposer_is_left_out_and_keeps_its_features(target_path):
+    """EAGLE fails on its 2nd and 3rd calls: those steps go on with ngram, are counted, and EAGLE
+    gets the features it missed with its next call (no re-prime error after)."""
+    target = load_model(target_path)
+    prompt = PROMPTS[0]
+    plain = mtp_engine(target, [NgramProposer()]).generate([GenerationRequest("a", prompt, SamplingParams(max_tokens=24), "none")])
+    flaky = Flaky(eagle(target), fail_on=(2, 3))
+    engine = mtp_engine(target, [flaky, NgramProposer()])
+    out = engine.generate([GenerationRequest("a", prompt, SamplingParams(max_tokens=24), "mtp")])["a"]
+    assert out.new_token_ids == plain["a"].new_token_ids
+    assert out.stats.proposer_skipped == {"eagle": 2} and out.stats.proposer_errors == 0
+    assert flaky.calls >= 5 and out.stats.to_dict()["proposer_skipped"] == {"eagle": 2}
+
+
+def test_each_sub_proposer_observes_its_own_accepted_prefix(target_path):
+    target = load_model(target_path)
+    prompt = [5, 17, 99, 3]
+    want = mtp_engine(target, [NgramProposer()]).generate(
+        [GenerationRequest("a", prompt, SamplingParams(max_tokens=8), "none")])["a"].new_token_ids
+    right = Fixed("draft", want[1:4], logprob=-0.1)          # drafted after the first token: all right
+    wrong = Fixed("mtp_heads", [want[1], (want[2] + 1) % 512], logprob=-0.2)   # right, then wrong
+    engine = mtp_engine(target, [right, wrong])
+    engine.submit(GenerationRequest("a", prompt, SamplingParams(max_tokens=8), "mtp"))
+    engine.step()   # prefill
+    engine.step()   # the first decode step verifies the merged tree
+    (r,), (w,) = right.outcomes, wrong.outcomes
+    assert (r.num_drafted, r.accepted_nodes) == (3, [0, 1, 2])
+    assert (w.num_drafted, w.accepted_nodes) == (2, [0])
+    assert r.emitted == w.emitted == want[1:5]
+
+
+# -- sampled output is exact; a broken sibling residual is not -----------------------------------------
+def _sibling_engine(target):
+    """Two subs drafting the target's two likeliest second tokens as root siblings (every step)."""
+    from specserve.sampling import target_probs
+    sp = SamplingParams(temperature=1.0, top_k=6)
+    with torch.inference_mode():
+        p1 = target_probs(target.score(torch.tensor([[1, 3, 5]]))[0, -1:], sp)[0]
+        first = int(p1.argmax())
+        p2 = target_probs(target.score(torch.tensor([[1, 3, 5, first]]))[0, -1:], sp)[0]
+    a, b = p2.topk(2).indices.tolist()
+    subs = [Fixed("mtp_heads", [a], logprob=-0.1), Fixed("draft", [b], logprob=-0.2)]
+    return mtp_engine(target, subs, max_draft_len=2, max_num_seqs=64)
+
+
+def _broken_residual(p, x, q):
+    return p   # the next sibling and the recovered token are checked against p itself
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["exact", "broken-sibling-residual"])
+def test_sampled_mtp_follows_target_distribution(tmp_path, monkeypatch, broken):
+    """The joint of tokens 2 and 3 against the exact target joint (test_eagle's helper); the first
+    decode step verifies a tree with two point-mass root siblings. Skipping the residual update
+    between siblings must fail this same check."""
+    target = load_model(make_tiny_checkpoint(tmp_path / "small", "llama", vocab_size=8, seed=5))
+    if broken:
+        monkeypatch.setattr(verify, "sibling_residual", _broken_residual)
+    tv = two_token_joint_tv(target, _sibling_engine(target), "mtp")
+    if broken:
+        assert tv > 0.1, f"the broken variant went unnoticed: total variation {tv:.4f}"
+    else:
+        assert tv < 0.06, f"total variation {tv:.4f}"
+
+
+# -- per-request options ----------------------------------------------------------------------------
+def test_request_options_pick_proposers_and_budget(target_path):
+    target = load_model(target_path)
+    engine = mtp_engine(target, [eagle(target), NgramProposer()], max_draft_len=8)
+    plain = engine.generate(reqs("none"))
+    only = engine.generate(reqs("mtp", options={"mtp_proposers": ["ngram"]}))
+    small = engine.generate(reqs("mtp", options={"mtp_tree_budget": 2}))
+    for i in range(len(PROMPTS)):
+        assert only[f"mtp{i}"].new_token_ids == small[f"mtp{i}"].new_token_ids == plain[f"none{i}"].new_token_ids
+    assert all(set(o.stats.accepted_by_proposer) <= {"ngram"} for o in only.values())
+    assert sum(o.stats.accepted_tokens for o in only.values()) > 0
+    assert all(o.stats.draft_tokens <= 2 * o.stats.drafts for o in small.values())
+
+
+BAD_OPTIONS = [
+    ({"mtp_proposers": ["medusa"]}, "mtp", "mtp_proposers: unknown proposer 'medusa'; known: mtp_heads, eagle, draft, ngram"),
+    ({"mtp_proposers": ["draft"]}, "mtp", "mtp_proposers: proposer 'draft' is not served here; served: eagle, ngram"),
+    ({"mtp_proposers": []}, "mtp", "mtp_proposers must name at least one proposer"),
+    ({"mtp_tree_budget": 9}, "mtp", "mtp_tree_budget must be an integer in [1, 8] (the server's max_draft_len), got 9"),
+    ({"mtp_tree_budget": 0}, "mtp", "mtp_tree_budget must be an integer in [1, 8] (the server's max_draft_len), got 0"),
+    ({"mtp_tree_budget": 4}, "none", "mtp_tree_budget apply only to a method that takes them (mtp), not to spec_method 'none'"),
+]
+
+
+@pytest.mark.parametrize("options, method, message", BAD_OPTIONS, ids=[m[:30] for *_, m in BAD_OPTIONS])
+def test_bad_options_are_refused_with_a_clear_message(target_path, options, method, message):
+    target = load_model(target_path)
+    engine = mtp_engine(target, [eagle(target), NgramProposer()])
+    with pytest.raises(RequestRejected) as e:
+        engine.check(GenerationRequest("x", [1, 2], SamplingParams(max_tokens=4), method, options=options))
+    assert str(e.value) == message
+
+
+def test_sampling_parameters_carry_the_options_with_type_checks():
+    cfg = make_request_config(json.dumps({"spec_method": "mtp", "mtp_proposers": ["eagle", "ngram"],
+                                          "mtp_tree_budget": "8"}), False, None)
+    assert cfg.spec_method == "mtp" and cfg.options == {"mtp_proposers": ["eagle", "ngram"], "mtp_tree_budget": 8}
+    assert make_request_config(json.dumps({"max_tokens": 3}), False, None).options is None
+    for raw, message in ((('{"mtp_proposers": "eagle"}'), 'sampling_parameters.mtp_proposers must be a list of strings, got "eagle"'),
+                         (('{"mtp_proposers": [1]}'), "sampling_parameters.mtp_proposers must be a list of strings, got [1]"),
+                         (('{"mtp_tree_budget": 2.5}'), "sampling_parameters.mtp_tree_budget must be an integer, got 2.5")):
+        with pytest.raises(BadRequest) as e:
+            make_request_config(raw, False, None)
+        assert str(e.value) == message
+
+
+def test_a_tier_sets_mtp_options_and_the_request_wins():
+    from specserve.triton.tiers import Tier
+
+    tier = Tier("robust", "mtp", "eagle", 3, tree_budget=6, proposers=("eagle", "ngram"))
+    cfg = make_request_config(json.dumps({"mtp_tree_budget": 4}), False, None, tier)
+    assert cfg.spec_method == "mtp" and cfg.options == {"mtp_tree_budget": 4, "mtp_proposers": ["eagle", "ngram"]}
+    other = make_request_config(json.dumps({"spec_method": "eagle"}), False, None, tier)
+    assert other.options is None
+
+
+# -- the remote arbiter's batch function (what mtp_arbiter and ngram_drafter run) ---------------------
+def test_remote_arbiter_batch_carries_trees_with_parents_and_sources():
+    import numpy as np
+
+    from specserve.proposers.remote_mtp import arbitrate_batch, mask_of, names_of, ngram_batch
+
+    assert names_of(mask_of(["ngram", "eagle"])) == ("eagle", "ngram")
+    ctx = np.array([[1, 2, 3, 1, 2, -1], [7, 8, 9, 7, 8, 9]])
+    assert ngram_batch(ctx, np.array([2, 4])).tolist() == [[3, 1, -1], [7, 8, 9]]
+    scalars = np.zeros((2, 3, 3), dtype=np.float32)
+    scalars[:, :, 0] = [[0.9, 0.8, 0.5], [0.5, 0.5, 0.5]]   # EAGLE's top-1 probabilities
+    out = arbitrate_batch({
+        "draft_tokens": np.array([[3, 1, 5], [4, 4, 4]]), "draft_scalars": scalars,
+        "accept_prob": np.array([[0.9, 0.9, 0.1], [0.9, 0.9, 0.9]], dtype=np.float32),
+        "ngram_tokens": np.array([[3, 1, -1], [7, 8, 9]]),
+        "tree_budget": np.array([16, 2]), "proposer_mask": np.array([mask_of(["eagle", "ngram"]), mask_of(["ngram"])]),
+        "row_threshold": np.array([0.5, 0.0], dtype=np.float32)})
+    # row 0: EAGLE cut after 2 tokens (0.9 × 0.9 × 0.1 < 0.5), agreeing with n-gram on [3, 1]
+    assert out["tree_tokens"].tolist() == [[3, 1], [7, 8]]
+    assert out["tree_parents"].tolist() == [[-1, 0], [-1, 0]]
+    both, ngram = mask_of(["eagle", "ngram"]), mask_of(["ngram"])
+    assert out["tree_sources"].tolist() == [[both, both], [ngram, ngram]]
+    empty = arbitrate_batch({"tree_budget": np.array([4]), "proposer_mask": np.array([both]),
+                             "row_threshold": np.array([0.3], dtype=np.float32)})
+    assert empty["tree_tokens"].shape == (1, 0)
