@@ -122,8 +122,8 @@ def test_tiers_apply_refuses_a_bad_or_new_tier_and_changes_nothing(server, tmp_p
                                              {"name": "code", "method": "dflash"}]}))
     with pytest.raises(TierError) as e:
         tier_control.apply(server.grpc_url, bad, server.admin_key)
-    assert str(e.value) == ("tier 'code': method 'dflash' is not available on this server (not built yet); "
-                            "available here: none, ngram, eagle, dspark, mtp")
+    assert str(e.value) == ("tier 'code': method 'dflash' needs a served dflash drafter, and this server serves "
+                            "none (serve it with --drafter dflash=DIR); available here: none, ngram, eagle, dspark, mtp")
     new = tmp_path / "new.yaml"
     new.write_text(yaml.safe_dump({"tiers": [{"name": "fast", "method": "ngram"},
                                              {"name": "gold", "method": "eagle"}]}))
