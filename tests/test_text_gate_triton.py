@@ -4,9 +4,10 @@ tier's own), and spec_stats say why; a code prompt keeps dflash. Unloading text_
 no request (it keeps dflash), is counted as decision=unavailable and logged once; loading it
 again restores the routing, and a published new version is loaded by name.
 
-No dflash proposer exists on this branch, so a request that keeps dflash is refused by the engine
-("unknown spec_method 'dflash'"), which is what proves it kept it; where the test needs a request
-that keeps dflash to succeed, it calls the preprocess model directly and reads its output."""
+This server (a tiny random checkpoint) serves no DFlash drafter, so a request that keeps dflash is
+refused by the engine ("unknown spec_method 'dflash'"), which is what proves it kept it; where the
+test needs a request that keeps dflash to succeed, it calls the preprocess model directly and reads
+its output. DFlash itself through tritonserver: tests/test_triton_dflash.py."""
 
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ def test_prose_runs_the_fallback_and_code_keeps_dflash(server):
     # A request that does not ask for dflash is not classified.
     assert "text_gate" not in gen(server, "llm", PROSE, {"max_tokens": 4}).spec_stats
     with pytest.raises(CompletionError, match="unknown spec_method 'dflash'"):
-        gen(server, "llm", CODE, DFLASH)          # kept dflash, which this branch does not serve
+        gen(server, "llm", CODE, DFLASH)          # kept dflash, which this server does not serve
     assert gate_count(server, "fallback") >= 1 and gate_count(server, "dflash") >= 1
     assert gate_count(server, "fallback", "docs") == 2
 

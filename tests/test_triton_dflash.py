@@ -1,5 +1,6 @@
-"""DFlash through a real tritonserver on the demo model: greedy output equals plain decoding, and
-a bad spec_fallback gets its error naming the field."""
+"""DFlash through a real tritonserver on the demo model: greedy output equals plain decoding, a bad
+spec_fallback gets its error naming the field, and the text-type gate (the committed classifier)
+keeps dflash for a code prompt and runs the fallback for a prose prompt where a tier says so."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ import pytest
 from specserve.triton.client import CompletionError, StreamClient
 from specserve.triton.launch import TritonServer
 from specserve.triton.render import RepositorySettings, render_repository
+from specserve.triton.tiers import Tier
 
 pytestmark = pytest.mark.triton
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
+# The server gates nothing away (DFlash for every text type); this tier keeps DFlash for code only.
+CODE_ONLY = Tier("gated", "dflash", "ngram", 1, dflash_text_types=("code",))
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +26,9 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("dflash")
     repo = render_repository(RepositorySettings(DEMO / "target", max_num_seqs=4, max_model_len=512, max_draft_len=8,
                                                 default_method="none",
-                                                drafters=(("dflash", str(DEMO / "dflash")),)),
+                                                drafters=(("dflash", str(DEMO / "dflash")),),
+                                                text_classifier=str(DEMO / "text_classifier"),
+                                                dflash_text_types=("code", "prose"), tiers=(CODE_ONLY,)),
                              root / "model_repository")
     srv = TritonServer(repo, root, None, log_file=root / "tritonserver.log", exit_timeout_s=5)
     srv.start()
@@ -58,3 +64,16 @@ def test_bad_spec_fallback_is_refused_naming_the_field(server):
     assert str(err.value) == "in ensemble 'llm', unknown fallback method 'eagle'; available: dflash, ngram, none"
     ok = client.generate("def f(x):", {"max_tokens": 4, "spec_method": "dflash", "spec_fallback": "none"})
     assert ok.spec_stats["method"] == "dflash"
+
+
+def test_the_text_gate_routes_prose_to_the_fallback_and_keeps_dflash_for_code(server):
+    rows = [json.loads(line) for line in (DEMO / "heldout_prompts.jsonl").read_text().splitlines()]
+    for row, method, decision in ((rows[1], "dflash", "dflash"), (rows[-1], "ngram", "fallback")):
+        assert row["kind"] == {"dflash": "code", "ngram": "prose"}[method]
+        plain = StreamClient(server.grpc_url).generate(row["prompt"], {"max_tokens": 24, "spec_method": "none"})
+        got = StreamClient(server.grpc_url, "llm_gated").generate(row["prompt"], {"max_tokens": 24})
+        assert got.text == plain.text, row["id"]
+        st = got.spec_stats
+        assert (st["method"], st["text_gate"]["decision"], st["text_gate"]["text_type"]) == \
+            (method, decision, row["kind"]), st
+        assert st["draft_tokens"] > 0
