@@ -103,6 +103,9 @@ def _add_text_gate(p: argparse.ArgumentParser) -> None:
                    help="text-type gate for dflash requests (specserve/text_gate.py): a classifier folder "
                         "(model.onnx + config.json), served as the hot-loadable model text_classifier; without "
                         "it, a folder 'text_classifier' beside the target is used when dflash is served")
+    p.add_argument("--dflash-block-size", type=int, default=None, metavar="B",
+                   help="dflash's block size B for requests that do not set dflash_block_size (drafts up to "
+                        "B - 1 tokens per step, and at most --max-draft-len); default: the drafter's config.json")
     p.add_argument("--no-text-gate", action="store_true", help="no text-type gate: dflash runs for every text")
     p.add_argument("--dflash-text-types", default=",".join(DEFAULT_DFLASH_TYPES), metavar="TYPES",
                    help=f"comma list of the text types ({', '.join(TEXT_TYPES)}) whose dflash requests keep "
@@ -236,6 +239,14 @@ def _serve(args: argparse.Namespace) -> int:
                        f"--placement remote (fused drafters run inside the engine)")
     if args.drafter_backend != "python" and not drafters:
         raise CliError(f"--drafter-backend {args.drafter_backend}: no drafter is served (--drafter METHOD=DIR)")
+    if args.dflash_block_size is not None:
+        from specserve.triton.tiers import BLOCK_SIZE_RANGE
+
+        if "dflash" not in methods:
+            raise CliError("--dflash-block-size: no DFlash drafter is served (--drafter dflash=DIR)")
+        lo, hi = BLOCK_SIZE_RANGE
+        if not lo <= args.dflash_block_size <= hi:
+            raise CliError(f"--dflash-block-size must be in [{lo}, {hi}], got {args.dflash_block_size}")
     if args.max_num_seqs < 1:
         raise CliError("--max-num-seqs must be at least 1")
     if args.max_queue_len < 0:
@@ -269,7 +280,8 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
                                   dtype=args.dtype, drafter_dtype=args.drafter_dtype, device=args.device,
                                   max_queue_len=args.max_queue_len, draft_policy=args.draft_policy,
                                   tiers=args.tier_list, drafter_backend=args.drafter_backend,
-                                  text_classifier=args.text_classifier, dflash_text_types=args.dflash_types)
+                                  text_classifier=args.text_classifier, dflash_text_types=args.dflash_types,
+                                  block_size=args.dflash_block_size)
     # The drafter backend must be one this tritonserver has: checked before the (slow) ONNX
     # export, and every rendered config again after it.
     try:

@@ -318,12 +318,16 @@ class Engine:
         if not (isinstance(p, int) and not isinstance(p, bool) and 0 <= p <= MAX_PRIORITY):
             raise RequestRejected(f"priority must be an integer in [0, {MAX_PRIORITY}], got {p!r}")
         if req.options:
-            checker = getattr(self.proposers[method], "check_options", None)
-            if checker is None:
-                raise RequestRejected(f"{', '.join(sorted(req.options))} apply only to a method that takes them "
-                                      f"(mtp), not to spec_method {method!r}")
+            own = getattr(self.proposers[method], "option_keys", ())
+            foreign = sorted(k for k in req.options if k not in own)
+            if foreign:
+                takers = sorted({m for k in foreign for m, p in self.proposers.items()
+                                 if k in getattr(p, "option_keys", ())})
+                raise RequestRejected(f"{', '.join(foreign)} {'applies' if len(foreign) == 1 else 'apply'} only to spec_method "
+                                      f"{' or '.join(takers) or '(a method not served here)'}, "
+                                      f"not to spec_method {method!r}")
             try:
-                checker(req.options)
+                self.proposers[method].check_options(req.options)
             except ValueError as e:
                 raise RequestRejected(str(e)) from None
         if req.params.stop and self.detokenize is None:

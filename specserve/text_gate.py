@@ -286,5 +286,6 @@ class TextGate:
         if decision.decision == ROUTED:
             # The fallback now is the request's method; the tier's fallback (for an unavailable
             # DFlash proposer) no longer applies to it.
-            config = replace(config, spec_method=decision.method, fallback_method=None)
+            # Its options were dflash's (the engine checked they belong to the request's method).
+            config = replace(config, spec_method=decision.method, fallback_method=None, options=None)
         return replace(config, text_gate=decision.to_dict())

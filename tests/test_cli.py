@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -53,6 +54,14 @@ def test_missing_tokenizer(tmp_path, capsys, ckpt):
 def test_model_length_above_the_model_limit(ckpt, capsys):
     assert _serve("--target", str(ckpt), "--max-model-len", "100000") == 2
     assert "--max-model-len 100000 must be in [1, 512]" in capsys.readouterr().err
+
+
+def test_dflash_block_size_is_checked_before_anything_starts(ckpt, capsys):
+    assert _serve("--target", str(ckpt), "--dflash-block-size", "4") == 2
+    assert "--dflash-block-size: no DFlash drafter is served (--drafter dflash=DIR)" in capsys.readouterr().err
+    demo = Path(__file__).resolve().parents[1] / "models" / "demo" / "target"
+    assert _serve("--target", str(demo), "--dflash-block-size", "17") == 2
+    assert "--dflash-block-size must be in [2, 16], got 17" in capsys.readouterr().err
 
 
 def test_port_in_use(ckpt, capsys):

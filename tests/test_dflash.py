@@ -249,3 +249,43 @@ def test_confidence_threshold_cuts_the_block(tmp_path):
     # room min(7, 12 - i - 1): full blocks of 7, then what is left
     assert got[0.0].stats.draft_tokens == sum(min(7, 12 - i - 1) for i in range(1, 11)) == 49
     assert got[0.0].stats.draft_tokens > got[0.5].stats.draft_tokens
+
+
+def test_block_size_per_request_in_one_batch(tmp_path):
+    """dflash_block_size per request: rows of one step with B = 3, 4 and 16 (and the proposer's
+    default 8) each draft whole blocks of their own B - 1 (capped by the room left), in one batch;
+    outputs equal plain decoding. The random drafter accepts nothing, so step i (output i) drafts
+    min(B - 1, 12 - i - 1)."""
+    target = load_model(make_tiny_checkpoint(tmp_path, "llama", seed=3))
+    proposer = DFlashProposer(random_dflash(target, 1, num_layers=1, window=4), target, max_num_seqs=4,
+                              threshold=0.0)
+    engine = Engine(target, EngineConfig(max_num_seqs=4, max_model_len=256, max_draft_len=15),
+                    {"dflash": proposer, "ngram": NgramProposer()}, eos_token_ids=())
+    prompt = [5, 17, 99, 3, 250, 42, 7, 7, 300, 12]
+    sizes = {"b3": 3, "b4": 4, "b16": 16, "default": None}
+    got = engine.generate([GenerationRequest(rid, prompt, SamplingParams(max_tokens=12), "dflash",
+                                             options=None if b is None else {"dflash_block_size": b})
+                           for rid, b in sizes.items()])
+    plain = engine.generate([GenerationRequest("p", prompt, SamplingParams(max_tokens=12), "none")])["p"]
+    for rid, b in sizes.items():
+        assert got[rid].new_token_ids == plain.new_token_ids
+        assert got[rid].stats.draft_tokens == sum(min((b or 8) - 1, 12 - i - 1) for i in range(1, 11)), rid
+
+
+@pytest.mark.parametrize("options, method, message", [
+    ({"dflash_block_size": 1}, "dflash",
+     "dflash_block_size must be an integer in [2, 16] (the drafter's max_block_size), got 1"),
+    ({"dflash_block_size": 17}, "dflash",
+     "dflash_block_size must be an integer in [2, 16] (the drafter's max_block_size), got 17"),
+    ({"dflash_block_size": 4}, "ngram", "dflash_block_size applies only to spec_method dflash, not to spec_method 'ngram'"),
+    ({"mtp_tree_budget": 4}, "dflash", "mtp_tree_budget applies only to spec_method (a method not served here), "
+                                       "not to spec_method 'dflash'"),
+])
+def test_block_size_option_is_checked(tmp_path, options, method, message):
+    target = load_model(make_tiny_checkpoint(tmp_path, "llama", seed=3))
+    engine = Engine(target, EngineConfig(max_num_seqs=2, max_model_len=64),
+                    {"dflash": DFlashProposer(random_dflash(target, 1, num_layers=1, window=4), target, max_num_seqs=2),
+                     "ngram": NgramProposer()})
+    with pytest.raises(RequestRejected) as e:
+        engine.check(GenerationRequest("x", [1, 2], SamplingParams(max_tokens=4), method, options=options))
+    assert str(e.value) == message

@@ -275,7 +275,7 @@ BAD_OPTIONS = [
     ({"mtp_proposers": []}, "mtp", "mtp_proposers must name at least one proposer"),
     ({"mtp_tree_budget": 9}, "mtp", "mtp_tree_budget must be an integer in [1, 8] (the server's max_draft_len), got 9"),
     ({"mtp_tree_budget": 0}, "mtp", "mtp_tree_budget must be an integer in [1, 8] (the server's max_draft_len), got 0"),
-    ({"mtp_tree_budget": 4}, "none", "mtp_tree_budget apply only to a method that takes them (mtp), not to spec_method 'none'"),
+    ({"mtp_tree_budget": 4}, "none", "mtp_tree_budget applies only to spec_method mtp, not to spec_method 'none'"),
 ]
 
 
@@ -309,6 +309,16 @@ def test_a_tier_sets_mtp_options_and_the_request_wins():
     assert cfg.spec_method == "mtp" and cfg.options == {"mtp_tree_budget": 4, "mtp_proposers": ["eagle", "ngram"]}
     other = make_request_config(json.dumps({"spec_method": "eagle"}), False, None, tier)
     assert other.options is None
+
+
+def test_a_dflash_tier_sets_the_block_size_and_the_request_wins():
+    from specserve.triton.tiers import Tier
+
+    tier = Tier("batch", "dflash", "eagle", 0, block_size=16)
+    assert make_request_config("{}", False, None, tier).options == {"dflash_block_size": 16}
+    own = make_request_config(json.dumps({"dflash_block_size": 4}), False, None, tier)
+    assert own.spec_method == "dflash" and own.options == {"dflash_block_size": 4}
+    assert make_request_config(json.dumps({"spec_method": "eagle"}), False, None, tier).options is None
 
 
 # -- the remote arbiter's batch function (what mtp_arbiter and ngram_drafter run) ---------------------

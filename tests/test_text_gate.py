@@ -158,12 +158,15 @@ def test_gate_leaves_other_methods_alone_and_uses_the_default_method():
 
 
 def test_tier_types_and_fallback_apply(clf):
-    tier = Tier("docs", GATED_METHOD, fallback="eagle", dflash_text_types=("prose",))
+    tier = Tier("docs", GATED_METHOD, fallback="eagle", dflash_text_types=("prose",), block_size=4)
     gate = TextGate(clf.classify, ("code",))
     code = gate.apply(CODE_PROMPT, _config({}, tier), tier)
+    # routed away: dflash's options (the tier's block size) go with it, eagle would refuse them
     assert code.spec_method == "eagle" and code.fallback_method is None and code.tier == "docs"
+    assert code.options is None
     prose = gate.apply(PROSE_PROMPT, _config({}, tier), tier)
     assert prose.spec_method == GATED_METHOD and prose.fallback_method == "eagle"   # the tier's, if dflash is down
+    assert prose.options == {"dflash_block_size": 4}
 
 
 def test_unavailable_classifier_keeps_dflash_counts_and_logs_each_transition(caplog):

@@ -54,6 +54,8 @@ BAD = [
     (_one(priority=10), "tier 't': priority must be an integer in [0, 9], got 10"),
     (_one(priority=True), "tier 't': priority must be an integer in [0, 9], got true"),
     (_one(proposer={"block_size": 16}), "tier 't': proposer.block_size applies to method dflash only, not 'ngram'"),
+    (_one(proposer={"block_size": 17}),
+     "tier 't': proposer.block_size must be an integer in [2, 16], got 17"),
     (_one(proposer={"tree_budget": 0}), "tier 't': proposer.tree_budget must be an integer in [1, 64], got 0"),
     (_one(proposer={"proposers": ["eagle", "medusa"]}),
      "tier 't': proposer.proposers must be a non-empty list of mtp_heads, eagle, draft, ngram, got [\"eagle\", \"medusa\"]"),
@@ -188,6 +190,22 @@ def test_each_tier_renders_its_ensemble_and_preprocess(tmp_path):
     # llm is still the default tier, with no tier settings.
     default = {k: v.string_value for k, v in _parse(repo / "preprocess" / "config.pbtxt").parameters.items()}
     assert "tier_settings" not in default and default["tier"] == "default"
+
+
+def test_the_verifiers_settings_survive_rendering(tmp_path):
+    """serve's flags → config.pbtxt parameters → the EngineSettings target_verifier builds."""
+    from specserve.triton.render import RepositorySettings, render_repository, verifier_settings
+
+    settings = RepositorySettings(DEMO, max_num_seqs=3, max_model_len=256, max_draft_len=15, default_method="ngram",
+                                  drafters=(("dflash", str(DEMO.parent / "dflash")),), spec_threshold=None,
+                                  max_queue_len=7, draft_policy="adaptive", block_size=16, internal_key="k")
+    repo = render_repository(settings, tmp_path / "repo")
+    params = {k: v.string_value for k, v in _parse(repo / "target_verifier" / "config.pbtxt").parameters.items()}
+    got = verifier_settings(params)
+    assert (got.max_num_seqs, got.max_model_len, got.max_draft_len, got.default_method) == (3, 256, 15, "ngram")
+    assert got.drafters == (("dflash", str((DEMO.parent / "dflash").resolve())),)
+    assert (got.spec_threshold, got.max_queue_len, got.draft_policy, got.block_size) == (None, 7, "adaptive", 16)
+    assert verifier_settings({**params, "block_size": ""}).block_size is None
 
 
 def test_a_tier_named_default_sets_llms_own_settings(tmp_path):

@@ -51,6 +51,12 @@ def test_greedy_dflash_equals_none_through_triton(server):
         st = spec.spec_stats
         assert st["method"] == "dflash" and st["draft_tokens"] > 0 and st["proposer_errors"] == 0
         assert st["accepted_tokens"] > 0 and "guard_steps" in st
+    # a request's own block size: whole blocks of 4 (spec_threshold 0 cuts nothing) → 3 drafted per step
+    small = client.generate(rows[1]["prompt"], {"max_tokens": 32, "spec_method": "dflash", "dflash_block_size": 4,
+                                                "spec_threshold": 0})
+    assert small.text == client.generate(rows[1]["prompt"], {"max_tokens": 32, "spec_method": "none"}).text
+    st = small.spec_stats
+    assert st["draft_tokens"] <= 3 * st["drafts"] and st["draft_tokens"] > 2 * st["drafts"], st
 
 
 def test_bad_spec_fallback_is_refused_naming_the_field(server):

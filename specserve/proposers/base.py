@@ -107,9 +107,10 @@ class StepOutcome:
     emitted: list[int] = field(default_factory=list)         # accepted tokens + recovered/bonus
 
 
-# A proposer that takes per-request options (DraftRequest.options) also has
-# `check_options(options: dict) -> None`, raising ValueError with a message for the client; the
-# engine calls it when a request arrives (Engine.check). Proposers without it take no options.
+# A proposer that takes per-request options (DraftRequest.options) names them in
+# `option_keys: tuple[str, ...]` and has `check_options(options: dict) -> None`, raising
+# ValueError with a message for the client; the engine refuses keys the request's method does not
+# name and calls it when a request arrives (Engine.check). Proposers without them take no options.
 
 
 @runtime_checkable

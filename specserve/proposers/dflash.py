@@ -45,6 +45,9 @@ from specserve.repetition import RepetitionGuard
 from specserve.sampling import target_probs
 
 MAX_ANCHOR_AGE = 16   # anchors older than this many windows share one age embedding
+# Per-request option (sampling_parameters → DraftRequest.options; a tier's proposer.block_size):
+# the row's block size B, in [2, the drafter's max_block_size]; None → the proposer's.
+OPT_BLOCK_SIZE = "dflash_block_size"
 
 
 @dataclass(frozen=True)
@@ -324,6 +327,8 @@ class DFlashProposer:
 
     name = "dflash"
     needs_features = True
+    option_keys = (OPT_BLOCK_SIZE,)
+
     def __init__(self, drafter: DFlashDrafter, target: Transformer, *, max_num_seqs: int,
                  block_size: int | None = None, name: str = "dflash",
                  repetition_guard: RepetitionGuard | None = RepetitionGuard(), threshold: float | None = None):
@@ -344,12 +349,22 @@ class DFlashProposer:
         self.max_num_seqs = max_num_seqs
         # The target layers whose residual streams the engine appends to the final hidden state.
         self.feature_layers: tuple[int, ...] = drafter.cfg.target_layers
-        self.max_draft_len = self.block_size - 1
+        self.max_draft_len = self.block_size - 1   # the default block's; a request may ask for more
         self._mem: dict[int, SequenceMemory] = {}
         self.dtype = drafter.dtype
         same = self.dtype == target.dtype
         self._embed_w = target.embed_tokens.weight if same else target.embed_tokens.weight.to(self.dtype)
         self._head_w = target.lm_head.weight if same else target.lm_head.weight.to(self.dtype)
+
+    def check_options(self, options: dict) -> None:
+        """Per-request options (types already checked by triton/params.py); ValueError for the client."""
+        b, top = options.get(OPT_BLOCK_SIZE), self.drafter.cfg.max_block_size
+        if b is not None and not 2 <= b <= top:
+            raise ValueError(f"{OPT_BLOCK_SIZE} must be an integer in [2, {top}] (the drafter's max_block_size), "
+                             f"got {b}")
+
+    def block_size_of(self, r: DraftRequest) -> int:
+        return (r.options or {}).get(OPT_BLOCK_SIZE) or self.block_size
 
     def memory(self, seq_id: int) -> SequenceMemory | None:
         return self._mem.get(seq_id)
@@ -389,34 +404,44 @@ class DFlashProposer:
             return []
         self._ingest(requests)
         drafts = [Draft.empty() for _ in requests]
-        rows = [b for b, r in enumerate(requests) if min(r.max_draft_len, self.max_draft_len) > 0]
+        rows = [b for b, r in enumerate(requests) if min(r.max_draft_len, self.block_size_of(r) - 1) > 0]
         if not rows:
             return drafts   # a feature-only call (e.g. the guard's fallback is drafting)
         views = [self._mem[requests[b].seq_id].view() for b in rows]
         ring, ring_valid, anchors, anchor_valid, pool = stack_views(views, self.drafter.cfg.window)
         ctx, valid = self.drafter.context(ring, ring_valid, anchors, anchor_valid, pool)
-        first = torch.tensor([requests[b].token_ids[-1] for b in rows], device=self.target.device)
-        hidden = self.drafter.run_block(F.embedding(first, self._embed_w), ring[:, -1], ctx, valid, self.block_size)
-        # [A, B-1, V]: t_{p+1..p+B-1}. Contiguous first: a bf16 matmul on the strided slice took
-        # 90 ms on this CPU instead of 1.2 ms.
-        logits = F.linear(hidden[:, :-1].contiguous(), self._head_w).float()
-        # [A, B-1] product of top-1 probabilities up to each position
-        confidence = torch.cumprod(logits.softmax(-1).amax(-1), dim=1)
+        first = F.embedding(torch.tensor([requests[b].token_ids[-1] for b in rows], device=self.target.device),
+                            self._embed_w)                                                 # [A, D]
+        # One block forward per block size in the batch: mask positions attend to each other, so a
+        # row's drafts depend on its B, and a longer block cut short is not the shorter block.
+        by_size: dict[int, list[int]] = {}
         for a, b in enumerate(rows):
-            r = requests[b]
-            k = min(r.max_draft_len, self.max_draft_len)
-            th = self.threshold if r.threshold is None else r.threshold
-            if th:
-                k = min(k, int((confidence[a] >= th).sum()))   # cumprod is non-increasing
-            if k == 0:
-                continue
-            if r.generator is None:
-                drafts[b] = Draft.chain(logits[a, :k].argmax(-1).tolist())
-            else:
-                q = target_probs(logits[a, :k], r.params)            # [k, V]
-                toks = torch.multinomial(q, 1, generator=r.generator)[:, 0]
-                drafts[b] = Draft.chain(toks.tolist(), q)
+            by_size.setdefault(self.block_size_of(requests[b]), []).append(a)
+        for B, group in sorted(by_size.items()):
+            idx = torch.tensor(group, device=first.device)
+            hidden = self.drafter.run_block(first[idx], ring[idx, -1], ctx[idx], valid[idx], B)   # [G, B, D]
+            # [G, B-1, V]: t_{p+1..p+B-1}. Contiguous first: a bf16 matmul on the strided slice
+            # took 90 ms on this CPU instead of 1.2 ms.
+            logits = F.linear(hidden[:, :-1].contiguous(), self._head_w).float()
+            for g, a in enumerate(group):
+                drafts[rows[a]] = self._row_draft(requests[rows[a]], logits[g], B)
         return drafts
+
+    def _row_draft(self, r: DraftRequest, logits: torch.Tensor, B: int) -> Draft:
+        """logits [B-1, V] of one row's block → its chain, cut by the confidence threshold."""
+        # [B-1] product of top-1 probabilities up to each position (non-increasing)
+        confidence = torch.cumprod(logits.softmax(-1).amax(-1), dim=0)
+        k = min(r.max_draft_len, B - 1)
+        th = self.threshold if r.threshold is None else r.threshold
+        if th:
+            k = min(k, int((confidence >= th).sum()))
+        if k == 0:
+            return Draft.empty()
+        if r.generator is None:
+            return Draft.chain(logits[:k].argmax(-1).tolist())
+        q = target_probs(logits[:k], r.params)            # [k, V]
+        toks = torch.multinomial(q, 1, generator=r.generator)[:, 0]
+        return Draft.chain(toks.tolist(), q)
 
     def observe(self, outcomes: list[StepOutcome]) -> None:
         pass  # drafts never enter the memory; the next call brings the committed tokens' features

@@ -131,6 +131,8 @@ class MultiDraftProposer:
         return any(getattr(p, "available", True) for p in self.subs.values())
 
     # -- per-request options ------------------------------------------------------------------
+    option_keys = (OPT_PROPOSERS, OPT_BUDGET)
+
     def check_options(self, options: dict) -> None:
         check_options(options, tuple(self.subs), self.max_draft_len)
 

@@ -122,6 +122,8 @@ class RemoteMTPProposer(RemoteProposer):
         super().__init__("mtp", call, max_draft_len=max_draft_len, threshold=threshold, release=release, **kw)
         self.served, self.budget, self.depth = served, budget, depth
 
+    option_keys = (OPT_PROPOSERS, OPT_BUDGET)
+
     def check_options(self, options: dict) -> None:
         from specserve.proposers.multi_draft import check_options
         check_options(options, self.served, self.max_draft_len)

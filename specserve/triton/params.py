@@ -34,6 +34,7 @@ SAMPLING_KEYS: dict[str, str] = {
     "spec_fallback": "a string",
     "mtp_proposers": "a list of strings",
     "mtp_tree_budget": _INT,
+    "dflash_block_size": _INT,
 }
 # The draft policy, not sampling. draft_policy: "adaptive" (the engine picks each step's draft
 # length for the best expected goodput at the current load) or "fixed" (always the full length).
@@ -43,8 +44,9 @@ SAMPLING_KEYS: dict[str, str] = {
 SPEC_KEYS = ("spec_method", "num_draft_tokens", "spec_threshold", "draft_policy", "spec_fallback")
 # Method options (GenerationRequest.options), checked for type here and for meaning by the
 # method's proposer: mtp_proposers = the sub-proposers whose drafts `mtp` merges for this request
-# (of those served), mtp_tree_budget = the merged tree's nodes at most (≤ the server's max_draft_len).
-OPTION_KEYS = ("mtp_proposers", "mtp_tree_budget")
+# (of those served), mtp_tree_budget = the merged tree's nodes at most (≤ the server's max_draft_len);
+# dflash_block_size = dflash's block size B for the request (drafts ≤ B - 1 tokens per step).
+OPTION_KEYS = ("mtp_proposers", "mtp_tree_budget", "dflash_block_size")
 
 
 class BadRequest(ValueError):
@@ -197,11 +199,13 @@ def apply_tier(tier: "Tier", sampling: dict[str, Any], spec: dict[str, Any]) -> 
     for key, value in tier_spec.items():
         if key not in spec and value is not None:
             spec[key] = value
-    tier_options = {"mtp_proposers": None if tier.proposers is None else list(tier.proposers),
-                    "mtp_tree_budget": tier.tree_budget}
+    # The tier's method options, for requests that run the method they belong to.
+    tier_options = {"mtp_proposers": ("mtp", None if tier.proposers is None else list(tier.proposers)),
+                    "mtp_tree_budget": ("mtp", tier.tree_budget),
+                    "dflash_block_size": ("dflash", tier.block_size)}
     options = dict(spec.get("options") or {})
-    for key, value in tier_options.items():
-        if key not in options and value is not None and spec.get("spec_method") == "mtp":
+    for key, (method, value) in tier_options.items():
+        if key not in options and value is not None and spec.get("spec_method") == method:
             options[key] = value
     if options:
         spec["options"] = options

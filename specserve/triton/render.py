@@ -37,7 +37,7 @@ from pathlib import Path
 from specserve.text_gate import DEFAULT_DFLASH_TYPES
 from specserve.triton import schema
 from specserve.triton.auth import new_key
-from specserve.triton.factory import FUSED_ONLY
+from specserve.triton.factory import FUSED_ONLY, EngineSettings
 from specserve.triton.schema import ModelSpec, TensorSpec
 from specserve.triton.tiers import Tier
 
@@ -71,6 +71,7 @@ class RepositorySettings:
     # proposer.dflash_text_types overrides them). None: no gate, dflash runs for every text.
     text_classifier: str | None = None
     dflash_text_types: tuple[str, ...] = DEFAULT_DFLASH_TYPES
+    block_size: int | None = None   # dflash's default block size (EngineSettings.block_size)
     # Signs preprocess → target_verifier and authorises internal calls (auth.py). A fresh one per
     # rendering; Triton's model-config endpoint, which would show it, is admin-only.
     internal_key: str = field(default_factory=new_key, repr=False)
@@ -83,6 +84,20 @@ def encode_drafters(drafters: tuple[tuple[str, str], ...]) -> str:
 
 def decode_drafters(text: str) -> tuple[tuple[str, str], ...]:
     return tuple(tuple(item.split("=", 1)) for item in text.split(";") if item)  # type: ignore[misc]
+
+
+def verifier_settings(p: dict[str, str]) -> EngineSettings:
+    """target_verifier's config.pbtxt parameters (as render_repository writes them) → the engine's
+    settings: the inverse of the target_verifier entry of render_repository's params."""
+    return EngineSettings(checkpoint=Path(p["checkpoint"]), max_num_seqs=int(p["max_num_seqs"]),
+                          max_model_len=int(p["max_model_len"]), max_draft_len=int(p["max_draft_len"]),
+                          default_method=p["default_method"], drafters=decode_drafters(p.get("drafters", "")),
+                          placement=p.get("placement", "fused"), dtype=p.get("dtype", "float32"),
+                          drafter_dtype=p.get("drafter_dtype", "auto"), device=p.get("device", "auto"),
+                          spec_threshold=float(p["spec_threshold"]) if p.get("spec_threshold") else None,
+                          max_queue_len=int(p.get("max_queue_len", 128)),
+                          draft_policy=p.get("draft_policy", "fixed"),
+                          block_size=int(p["block_size"]) if p.get("block_size") else None)
 
 
 def _tensor(t: TensorSpec, is_input: bool) -> str:
@@ -160,6 +175,7 @@ def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
                                       else settings.spec_threshold,
                                       "max_queue_len": settings.max_queue_len,
                                       "draft_policy": settings.draft_policy,
+                                      "block_size": "" if settings.block_size is None else settings.block_size,
                                       "internal_key": settings.internal_key},
         schema.POSTPROCESS.name: {"checkpoint": ckpt, "internal_key": settings.internal_key},
     }

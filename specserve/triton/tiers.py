@@ -12,6 +12,9 @@ is tier_control.py's.
           spec_threshold: 0.3     # → spec_threshold (calibration head's stop threshold)
           draft_policy: fixed     # adaptive | fixed
           dflash_text_types: [code]   # dflash tiers: text types that keep dflash (text_gate.py)
+          block_size: 8           # dflash tiers: → dflash_block_size (drafts ≤ B - 1 per step)
+          tree_budget: 16         # mtp tiers: → mtp_tree_budget
+          proposers: [eagle, ngram]   # mtp tiers: → mtp_proposers
         limits:
           max_tokens: 512         # a request may ask for at most this many output tokens
 
@@ -37,16 +40,14 @@ from typing import Any
 from specserve.admission import MAX_PRIORITY
 from specserve.triton.schema import DEFAULT_TIER, TIER_NAME_PATTERN
 
-# Methods DESIGN.md §3 defines that no proposer implements yet: a tier naming one is refused with
-# a message saying so (not "unknown"), so a file written for a later release fails clearly.
-PLANNED_METHODS: tuple[str, ...] = ()
 PRIORITY_RANGE = (0, MAX_PRIORITY)   # admission.py: higher first, aged by steps waited
-# Settings of the planned methods, accepted by the schema so files can be written for them now,
-# checked for type and range, and refused on methods that do not use them.
-BLOCK_SIZE_RANGE = (2, 64)     # dflash: tokens drafted per block
+# Method settings: checked for type and range, refused on methods that do not use them, and
+# handed to the method's requests as options (params.apply_tier).
+BLOCK_SIZE_RANGE = (2, 16)     # dflash: block size B (→ dflash_block_size; drafts ≤ B - 1 per step;
+                               # 16 = DFlashConfig.max_block_size)
 TREE_BUDGET_RANGE = (1, 64)    # mtp: draft-tree nodes verified per step (→ mtp_tree_budget; the
                                # engine caps it at its max_draft_len)
-FUTURE_SETTINGS = {"block_size": ("dflash",), "tree_budget": ("mtp",), "proposers": ("mtp",),
+METHOD_SETTINGS = {"block_size": ("dflash",), "tree_budget": ("mtp",), "proposers": ("mtp",),
                    "dflash_text_types": ("dflash",)}
 
 _TOP_KEYS = ("tiers",)
@@ -108,7 +109,7 @@ def default_tier() -> Tier:
 def known_methods() -> tuple[str, ...]:
     from specserve.triton.factory import COMPOSITE_METHODS, DRAFTED, PROPOSERS, STATIC_METHODS
 
-    return ("none", *PROPOSERS, *DRAFTED, *STATIC_METHODS, *PLANNED_METHODS, *COMPOSITE_METHODS)
+    return ("none", *PROPOSERS, *DRAFTED, *STATIC_METHODS, *COMPOSITE_METHODS)
 
 
 def mtp_subproposers() -> tuple[str, ...]:
@@ -140,9 +141,6 @@ def _check_method(where: str, key: str, method: Any, server: ServerLimits) -> st
     if method in server.methods:
         return method
     here = ", ".join(server.methods)
-    if method in PLANNED_METHODS:
-        raise TierError(f"{where}: {key} {method!r} is not available on this server (not built yet); "
-                        f"available here: {here}")
     need = (server.drafted or {}).get(method, method)
     raise TierError(f"{where}: {key} {method!r} needs a served {need} drafter, and this server serves none "
                     f"(serve it with --drafter {need}=DIR); available here: {here}")
@@ -201,7 +199,7 @@ def parse_tier(raw: Any, server: ServerLimits, index: int) -> Tier:
             got["dflash_text_types"] = check_text_types(prop["dflash_text_types"], "proposer.dflash_text_types")
         except GateError as e:
             raise TierError(f"{where}: {e}") from None
-    for key, methods in FUTURE_SETTINGS.items():
+    for key, methods in METHOD_SETTINGS.items():
         if key in got and method not in methods:
             raise TierError(f"{where}: proposer.{key} applies to method {' / '.join(methods)} only, "
                             f"not {method!r}")

@@ -10,15 +10,14 @@ Three kinds of request arrive (see specserve/triton/auth.py for the keys):
 """
 
 import json
-from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
 from specserve.triton import auth, pb, schema
-from specserve.triton.factory import EngineSettings, build_engine
+from specserve.triton.factory import build_engine
 from specserve.triton.metrics import TritonMetrics
 from specserve.triton.params import RequestConfig
-from specserve.triton.render import decode_drafters
+from specserve.triton.render import verifier_settings
 from specserve.triton.service import VerifierResponse, VerifierService
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -59,15 +58,7 @@ class TritonPythonModel:
         pb.route_logging()
         p = pb.model_parameters(args)
         self.key = p["internal_key"]
-        settings = EngineSettings(checkpoint=Path(p["checkpoint"]), max_num_seqs=int(p["max_num_seqs"]),
-                                  max_model_len=int(p["max_model_len"]), max_draft_len=int(p["max_draft_len"]),
-                                  default_method=p["default_method"],
-                                  drafters=decode_drafters(p.get("drafters", "")),
-                                  placement=p.get("placement", "fused"), dtype=p.get("dtype", "float32"),
-                                  drafter_dtype=p.get("drafter_dtype", "auto"), device=p.get("device", "auto"),
-                                  spec_threshold=float(p["spec_threshold"]) if p.get("spec_threshold") else None,
-                                  max_queue_len=int(p.get("max_queue_len", 128)),
-                                  draft_policy=p.get("draft_policy", "fixed"))
+        settings = verifier_settings(p)
         self.metrics = TritonMetrics(pb_utils)
         # Built on the engine's own thread: a model loaded on another thread decodes slower.
         self.service = VerifierService(lambda: build_engine(settings)[0], self.metrics)
