@@ -11,6 +11,9 @@ such a neighbour.
     python benchmarks/make_typo_prompts.py [--seed 12] [--out docs/mtp/typo_prompts.jsonl]
     # the heavy set of the robustness table (a typo in every second word):
     python benchmarks/make_typo_prompts.py --seed 13 --words-per-typo 2 --out docs/mtp/typo_prompts_heavy.jsonl
+    # the renamed set: 3 words that recur in the prompt misspelt the same way at every occurrence
+    # (a misspelt name used throughout), so the continuation the target writes repeats them
+    python benchmarks/make_typo_prompts.py --seed 14 --consistent --out docs/mtp/typo_prompts_renamed.jsonl
 """
 
 from __future__ import annotations
@@ -68,22 +71,46 @@ def corrupt(text: str, rng: random.Random, words_per_typo: int = 12) -> tuple[st
     return "".join(out), done
 
 
+def corrupt_consistently(text: str, rng: random.Random, n: int = 3) -> tuple[str, list[dict]]:
+    """n distinct words (≥ 3 letters), the most frequent first (ties broken by the seeded rng), each
+    misspelt one way and replaced at every whole-word occurrence."""
+    counts: dict[str, int] = {}
+    for m in WORD.finditer(text):
+        counts[m.group()] = counts.get(m.group(), 0) + 1
+    words = sorted(counts, key=lambda w: (-counts[w], rng.random()))
+    if len(words) < n:
+        raise ValueError(f"prompt has {len(words)} distinct words of ≥ 3 letters, needs {n}")
+    done = []
+    for word in words[:n]:
+        new, kind = typo(word, rng)
+        while new == word or new in counts:   # a real change, not another word of the prompt
+            new, kind = typo(word, rng)
+        text = re.sub(rf"(?<![A-Za-z]){word}(?![A-Za-z])", new, text)
+        done.append({"word": word, "typo": new, "kind": kind, "occurrences": counts[word]})
+    return text, done
+
+
 def main(argv: list[str] | None = None) -> None:
+    from specserve.paths import shown
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=12)
     ap.add_argument("--out", type=Path, default=ROOT / "docs/mtp/typo_prompts.jsonl")
     ap.add_argument("--words-per-typo", type=int, default=12)
+    ap.add_argument("--consistent", action="store_true",
+                    help="misspell the 3 most frequent words the same way at every occurrence")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     rows = []
     for line in (ROOT / "models/demo/heldout_prompts.jsonl").read_text().splitlines():
         h = json.loads(line)
-        text, typos = corrupt(h["prompt"], rng, args.words_per_typo)
+        text, typos = (corrupt_consistently(h["prompt"], rng) if args.consistent
+                       else corrupt(h["prompt"], rng, args.words_per_typo))
         assert text != h["prompt"] and len(typos) >= 3
         rows.append({"id": h["id"], "kind": h["kind"], "prompt": text, "clean": h["prompt"], "typos": typos})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    print(f"{len(rows)} prompts, {sum(len(r['typos']) for r in rows)} typos (≥ 3 each) → {args.out.resolve().relative_to(ROOT)}")
+    print(f"{len(rows)} prompts, {sum(r.get('occurrences', 1) for row in rows for r in row['typos'])} typos (≥ 3 each) → {shown(args.out)}")
 
 
 if __name__ == "__main__":

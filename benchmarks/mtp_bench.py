@@ -51,7 +51,10 @@ CONFIGS: dict[str, dict] = {
     "mtp": {"spec_method": "mtp"},
     "mtp_fast": {"spec_method": "mtp", "mtp_proposers": FAST},
 }
-SETS = ("clean", "typo")
+# Prompt sets through Triton: clean, 3+ scattered typos each, and "renamed": 3 recurring words
+# misspelt the same way at every occurrence (a misspelt name used throughout, which the target's
+# continuation repeats: the case a drafter that reads tokens or copies context can catch).
+SETS = ("clean", "typo", "renamed")
 BUDGETS = (4, 8, 16, 32)
 GROWN = (["ngram"], ["ngram", "mtp_heads"], ["ngram", "mtp_heads", "eagle"], ["ngram", "mtp_heads", "eagle", "draft"])
 
@@ -63,15 +66,16 @@ def _typo_set(name: str) -> dict[int, dict]:
 def prompt_sets(n: int) -> dict[str, list[str]]:
     held = [json.loads(line) for line in (DEMO / "heldout_prompts.jsonl").read_text().splitlines()]
     typo, heavy = _typo_set("typo_prompts.jsonl"), _typo_set("typo_prompts_heavy.jsonl")
+    renamed = _typo_set("typo_prompts_renamed.jsonl")
     # code and prose interleaved, so a small n still has both
     code, prose = [h for h in held if h["kind"] == "code"], [h for h in held if h["kind"] == "prose"]
     order = [x for pair in zip(code, prose) for x in pair] + code[len(prose):]
     chosen = order[:n]
     for h in chosen:
-        assert typo[h["id"]]["clean"] == heavy[h["id"]]["clean"] == h["prompt"], \
+        assert typo[h["id"]]["clean"] == heavy[h["id"]]["clean"] == renamed[h["id"]]["clean"] == h["prompt"], \
             "docs/mtp/typo_prompts*.jsonl are stale; rerun make_typo_prompts.py"
     return {"clean": [h["prompt"] for h in chosen], "typo": [typo[h["id"]]["prompt"] for h in chosen],
-            "heavy": [heavy[h["id"]]["prompt"] for h in chosen]}
+            "heavy": [heavy[h["id"]]["prompt"] for h in chosen], "renamed": [renamed[h["id"]]["prompt"] for h in chosen]}
 
 
 def triton_part(args, sets: dict[str, list[str]]) -> dict:
@@ -85,7 +89,7 @@ def triton_part(args, sets: dict[str, list[str]]) -> dict:
     repo = render_repository(RepositorySettings(DEMO / "target", max_num_seqs=2, max_model_len=1024,
                                                 max_draft_len=args.max_draft_len, default_method="none",
                                                 drafters=tuple((m, str(f)) for m, f in DRAFTERS),
-                                                placement="fused", spec_threshold=0.3), work / "model_repository")
+                                                placement=args.placement, spec_threshold=0.3), work / "model_repository")
     srv = TritonServer(repo, work, None, log_file=work / "tritonserver.log").start()
     configs = list(CONFIGS)
     tallies = {s: {c: Tally() for c in configs} for s in SETS}
@@ -153,9 +157,10 @@ def in_process_part(args, sets: dict[str, list[str]]) -> dict:
         sub.propose = timed
     ids = {s: [tok.encode(p).ids for p in ps] for s, ps in sets.items()}
     # (label, method, options, prompt set); every configuration on every prompt, order rotated per prompt
+    sweeps = args.in_process == "all"
     configs = [("none", "none", None, "clean"), ("eagle", "eagle", None, "clean"),
-               *((f"budget {b}", "mtp", {"mtp_tree_budget": b}, "clean") for b in BUDGETS),
-               *(("+".join(g), "mtp", {"mtp_proposers": g, "mtp_tree_budget": 16}, "clean") for g in GROWN),
+               *((f"budget {b}", "mtp", {"mtp_tree_budget": b}, "clean") for b in BUDGETS if sweeps),
+               *(("+".join(g), "mtp", {"mtp_proposers": g, "mtp_tree_budget": 16}, "clean") for g in GROWN if sweeps),
                *((f"{s} {c}", m, o, s) for s in sets for c, (m, o) in ROBUST.items())]
     sums = {label: {"steps": 0, "acc": 0, "drafted": 0, "out": 0, "draft_s": 0.0, "verify_s": 0.0, "wall": 0.0}
             for label, *_ in configs}
@@ -198,56 +203,12 @@ def in_process_part(args, sets: dict[str, list[str]]) -> dict:
     for r in rows.values():
         r["speedup_vs_none"] = round(r["tok_s"] / rows["none"]["tok_s"], 3)
     return {"none": rows["none"], "eagle": rows["eagle"],
-            "tree_budget": {b: rows[f"budget {b}"] for b in BUDGETS},
-            "proposer_sets": {"+".join(g): rows["+".join(g)] for g in GROWN},
+            "tree_budget": {b: rows[f"budget {b}"] for b in BUDGETS} if sweeps else {},
+            "proposer_sets": {"+".join(g): rows["+".join(g)] for g in GROWN} if sweeps else {},
             "robustness": {s: {c: rows[f"{s} {c}"] for c in ROBUST} for s in sets}}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--max-draft-len", type=int, default=16, help="the server's (= mtp's default tree budget)")
-    ap.add_argument("--sweep-prompts", type=int, default=8, help="prompts for the in-process part")
-    ap.add_argument("--skip-triton", action="store_true")
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
-    sets = prompt_sets(args.prompts)
-    from specserve.paths import shown
-
-    result = {"target": shown(DEMO / "target"), "drafters": {m: shown(f) for m, f in DRAFTERS},
-              "prompts": args.prompts, "new_tokens": args.new_tokens, "max_draft_len": args.max_draft_len,
-              "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-              "command": " ".join(["python", "benchmarks/mtp_bench.py", *(argv if argv is not None else sys.argv[1:])])}
-    if not args.skip_triton:
-        result["triton"] = triton_part(args, sets)
-    result["in_process"] = in_process_part(args, {s: ps[:args.sweep_prompts] for s, ps in sets.items()})
-
-    if "triton" in result:
-        for s in SETS:
-            print(f"\n{s} prompts (through Triton, fused drafters)")
-            print("| config | tok/s | speedup vs none | mean acceptance length | draft tok/step | step ms | draft ms | "
-                  "verify ms | share of accepted tokens |")
-            print("|---|---|---|---|---|---|---|---|---|")
-            for c, r in result["triton"][s].items():
-                share = ", ".join(f"{k} {v:.0%}" for k, v in r.get("share_of_accepted", {}).items())
-                print(f"| {c} | {r['tok_s']} | {r['speedup_vs_none']}× | {r['mean_acceptance_length']} | "
-                      f"{r['draft_tokens_per_step']} | {r['step_ms']} | {r['draft_ms']} | {r['verify_ms']} | {share} |")
-        t = result["triton"]
-        al = {s: {c: t[s][c]["mean_acceptance_length"] for c in CONFIGS} for s in SETS}
-        goals = {"mtp_vs_eagle_acceptance_clean": round(al["clean"]["mtp"] / al["clean"]["eagle"], 3),
-                 "eagle_acceptance_drop_typo": round(1 - al["typo"]["eagle"] / al["clean"]["eagle"], 3),
-                 "mtp_acceptance_drop_typo": round(1 - al["typo"]["mtp"] / al["clean"]["mtp"], 3),
-                 "mtp_vs_eagle_speedup_clean": round(t["clean"]["mtp"]["speedup_vs_none"] / t["clean"]["eagle"]["speedup_vs_none"], 3),
-                 "mtp_fast_vs_eagle_speedup_clean": round(t["clean"]["mtp_fast"]["speedup_vs_none"] / t["clean"]["eagle"]["speedup_vs_none"], 3)}
-        result["goals"] = goals
-        print()
-        print(goal_line("mtp / eagle mean acceptance length, clean", goals["mtp_vs_eagle_acceptance_clean"], 1.15, "×"))
-        print(f"acceptance length drop on typo'd prompts: mtp {goals['mtp_acceptance_drop_typo']:.1%}, "
-              f"eagle {goals['eagle_acceptance_drop_typo']:.1%} (goal: mtp's smaller)")
-        print(goal_line("mtp speedup / eagle speedup, clean", goals["mtp_vs_eagle_speedup_clean"], 1.0, "×"))
-        print(goal_line("mtp_fast speedup / eagle speedup, clean", goals["mtp_fast_vs_eagle_speedup_clean"], 1.0, "×"))
-    ip = result["in_process"]
+def print_sweeps(ip: dict) -> None:
     print("\nin-process, clean prompts: tree budget")
     print("| budget | mean acceptance length | tok/s | speedup vs none | draft ms/step | verify ms/step |")
     print("|---|---|---|---|---|---|")
@@ -262,6 +223,68 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"| {g} | {r['mean_acceptance_length']} | {r['tok_s']} | {r['speedup_vs_none']}× | "
               f"{r['draft_ms_per_step']} | {r['verify_ms_per_step']} | {calls} |")
     print(f"(eagle alone: acceptance {ip['eagle']['mean_acceptance_length']}, {ip['eagle']['speedup_vs_none']}× over none)")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--max-draft-len", type=int, default=16, help="the server's (= mtp's default tree budget)")
+    ap.add_argument("--sweep-prompts", type=int, default=8, help="prompts for the in-process part")
+    ap.add_argument("--skip-triton", action="store_true")
+    ap.add_argument("--placement", choices=("fused", "remote"), default="fused",
+                    help="where the server runs the drafters in the Triton part")
+    ap.add_argument("--in-process", choices=("all", "robustness", "none"), default="all",
+                    help="which in-process parts run: all (budget and proposer sweeps + robustness), "
+                         "robustness only, or none")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    sets = prompt_sets(args.prompts)
+    from specserve.paths import shown
+
+    result = {"target": shown(DEMO / "target"), "drafters": {m: shown(f) for m, f in DRAFTERS},
+              "prompts": args.prompts, "new_tokens": args.new_tokens, "max_draft_len": args.max_draft_len,
+              "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+              "command": " ".join(["python", "benchmarks/mtp_bench.py", *(argv if argv is not None else sys.argv[1:])])}
+    if not args.skip_triton:
+        result["triton"] = triton_part(args, sets)
+    if args.in_process != "none":
+        result["in_process"] = in_process_part(args, {s: ps[:args.sweep_prompts] for s, ps in sets.items()})
+
+    if "triton" in result:
+        for s in SETS:
+            print(f"\n{s} prompts (through Triton, fused drafters)")
+            print("| config | tok/s | speedup vs none | mean acceptance length | draft tok/step | step ms | draft ms | "
+                  "verify ms | share of accepted tokens |")
+            print("|---|---|---|---|---|---|---|---|---|")
+            for c, r in result["triton"][s].items():
+                share = ", ".join(f"{k} {v:.0%}" for k, v in r.get("share_of_accepted", {}).items())
+                print(f"| {c} | {r['tok_s']} | {r['speedup_vs_none']}× | {r['mean_acceptance_length']} | "
+                      f"{r['draft_tokens_per_step']} | {r['step_ms']} | {r['draft_ms']} | {r['verify_ms']} | {share} |")
+        t = result["triton"]
+        al = {s: {c: t[s][c]["mean_acceptance_length"] for c in CONFIGS} for s in SETS}
+        goals = {"mtp_vs_eagle_acceptance_clean": round(al["clean"]["mtp"] / al["clean"]["eagle"], 3),
+                 **{f"{c}_acceptance_drop_{s}": round(1 - al[s][c] / al["clean"][c], 3)
+                    for s in SETS[1:] for c in ("eagle", "mtp", "mtp_fast")},
+                 "mtp_vs_eagle_speedup_clean": round(t["clean"]["mtp"]["speedup_vs_none"] / t["clean"]["eagle"]["speedup_vs_none"], 3),
+                 "mtp_fast_vs_eagle_speedup_clean": round(t["clean"]["mtp_fast"]["speedup_vs_none"] / t["clean"]["eagle"]["speedup_vs_none"], 3)}
+        result["goals"] = goals
+        print()
+        print(goal_line("mtp / eagle mean acceptance length, clean", goals["mtp_vs_eagle_acceptance_clean"], 1.15, "×"))
+        for s in SETS[1:]:
+            print(f"acceptance length drop on the {s} prompts: mtp {goals[f'mtp_acceptance_drop_{s}']:.1%}, "
+                  f"mtp_fast {goals[f'mtp_fast_acceptance_drop_{s}']:.1%}, "
+                  f"eagle {goals[f'eagle_acceptance_drop_{s}']:.1%} (goal: mtp's smaller)")
+        print(goal_line("mtp speedup / eagle speedup, clean", goals["mtp_vs_eagle_speedup_clean"], 1.0, "×"))
+        print(goal_line("mtp_fast speedup / eagle speedup, clean", goals["mtp_fast_vs_eagle_speedup_clean"], 1.0, "×"))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    ip = result.get("in_process")
+    if ip is None:
+        return result
+    if args.in_process == "all":
+        print_sweeps(ip)
     rob = ip["robustness"]
     print("\nin-process robustness: mean acceptance length (change vs clean)")
     print("| config | " + " | ".join(rob) + " |")
@@ -271,9 +294,6 @@ def main(argv: list[str] | None = None) -> dict:
         cells = [f"{rob[s][c]['mean_acceptance_length']} ({rob[s][c]['mean_acceptance_length'] / clean - 1:+.1%})"
                  for s in rob]
         print(f"| {c} | " + " | ".join(cells) + " |")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 

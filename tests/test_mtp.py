@@ -346,3 +346,36 @@ def test_remote_arbiter_batch_carries_trees_with_parents_and_sources():
     empty = arbitrate_batch({"tree_budget": np.array([4]), "proposer_mask": np.array([both]),
                              "row_threshold": np.array([0.3], dtype=np.float32)})
     assert empty["tree_tokens"].shape == (1, 0)
+
+
+# -- the typo'd prompt sets of the benchmark (benchmarks/make_typo_prompts.py) -------------------------
+def _typo_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_typo_prompts", ROOT / "benchmarks/make_typo_prompts.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_renamed_words_are_misspelt_the_same_way_at_every_occurrence():
+    import random
+
+    mod = _typo_module()
+    text = "def foo(bar):\n    foo = bar + foo\n    return foobar(foo, bar, baz_qux)\n"
+    out, done = mod.corrupt_consistently(text, random.Random(0))
+    assert [(d["word"], d["occurrences"]) for d in done][:2] == [("foo", 4), ("bar", 3)]
+    for d in done:
+        assert d["typo"] != d["word"] and d["typo"] in out
+    # whole words only: the identifier foobar keeps its letters; the rest of the text is unchanged
+    assert "foobar(" in out
+    expect = text
+    import re
+    for d in done:
+        expect = re.sub(rf"(?<![A-Za-z]){d['word']}(?![A-Za-z])", d["typo"], expect)
+    assert out == expect
+
+
+def test_the_committed_renamed_set_is_what_its_command_makes(tmp_path):
+    _typo_module().main(["--seed", "14", "--consistent", "--out", str(tmp_path / "r.jsonl")])
+    assert (tmp_path / "r.jsonl").read_text() == (ROOT / "docs/mtp/typo_prompts_renamed.jsonl").read_text()
