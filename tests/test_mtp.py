@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -336,3 +337,103 @@ def test_remote_arbiter_batch_carries_trees_with_parents_and_sources():
     empty = arbitrate_batch({"tree_budget": np.array([4]), "proposer_mask": np.array([both]),
                              "row_threshold": np.array([0.3], dtype=np.float32)})
     assert empty["tree_tokens"].shape == (1, 0)
+
+
+# -- remote mtp with all four sub-proposers, in process: the same trees as fused mtp ---------------
+class Recorder:
+    """Wraps a proposer and records every tree it proposes (seq, length, tokens, parents, sources)."""
+
+    def __init__(self, inner):
+        self.inner, self.trees = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, requests):
+        drafts = self.inner.propose(requests)
+        self.trees += [(r.seq_id, len(r.token_ids), d.tokens, d.parents, [tuple(sorted(s)) for s in d.sources], d.skipped)
+                       for r, d in zip(requests, drafts)]
+        return drafts
+
+
+@pytest.fixture(scope="module")
+def four_drafters(target_path, tmp_path_factory):
+    """The tiny target's EAGLE (random, exported), MTP heads (random, exported) and two draft
+    models: the target itself (drafts accepted in full) and a random one (drafts rejected)."""
+    from specserve.proposers.eagle_export import export
+    from specserve.proposers.mtp import MTPConfig, MTPHeads, _target_fields, export_mtp_onnx
+
+    target = load_model(target_path)
+    out = tmp_path_factory.mktemp("remote_mtp")
+    drafter = random_drafter(target, seed=1)
+    report = export(target, drafter, out)
+    torch.manual_seed(4)
+    heads = MTPHeads(MTPConfig(**{**_target_fields(target), "num_heads": 3, "intermediate_size": 32}),
+                     target.lm_head.weight)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.2)
+    heads = heads.eval().requires_grad_(False)
+    export_mtp_onnx(heads, out / "mtp_heads.onnx")
+    drafts = {"target": load_model(target_path), "random": load_model(make_tiny_checkpoint(out / "d", "llama", seed=22))}
+    return target, drafter, report, heads, out / "mtp_heads.onnx", drafts
+
+
+@pytest.mark.parametrize("draft_kind", ["target", "random"])
+def test_remote_mtp_proposes_the_fused_trees_with_all_four_drafters(four_drafters, draft_kind):
+    """Greedy, 4 sequences batched: remote mtp (in_process_call: the ONNX EAGLE and MTP heads, the
+    draft model's service, n-gram, the arbiter batch) proposes exactly fused mtp's tree at every
+    step, and both credit all four proposers. The draft model's cache is rolled back by observe()
+    fused and by its catch-up remotely; a stale entry would change its drafts."""
+    from specserve.proposers.draft_model import DraftModelProposer
+    from specserve.proposers.eagle_onnx import CalibrationOnnxRuntime, EagleOnnxRuntime
+    from specserve.proposers.eagle_onnx import in_process_call as eagle_call
+    from specserve.proposers.mtp import MTPHeadsProposer
+    from specserve.proposers.multi_draft import SUBPROPOSERS
+    from specserve.proposers.remote_mtp import RemoteMTPProposer, draft_call, heads_call, in_process_call
+    from specserve.proposers.remote_mtp_drafters import DraftModelService, HeadsOnnxRuntime
+
+    target, drafter, report, heads, heads_onnx, drafts = four_drafters
+    draft, L, seqs = drafts[draft_kind], 5, 4
+    fused = MultiDraftProposer([MTPHeadsProposer(heads, max_draft_len=L), eagle(target, seed=1, max_draft_len=L),
+                                DraftModelProposer(draft, max_num_seqs=seqs, max_model_len=256, max_draft_len=L),
+                                NgramProposer()], max_draft_len=L, vocab_size=target.cfg.vocab_size)
+    c = target.cfg
+    remote_call = in_process_call(
+        eagle_call(EagleOnnxRuntime(str(report.backbone), c.num_kv_heads, c.head_dim),
+                   CalibrationOnnxRuntime(str(report.calibration))),
+        heads=heads_call(HeadsOnnxRuntime(heads_onnx)),
+        draft=draft_call(DraftModelService(draft, max_num_seqs=seqs, max_model_len=256, max_draft_len=L)))
+    remote = RemoteMTPProposer(remote_call, served=SUBPROPOSERS, max_draft_len=L, budget=16, threshold=None)
+    outputs, trees = {}, {}
+    for kind, proposer in (("fused", fused), ("remote", remote)):
+        rec = Recorder(proposer)
+        engine = Engine(target, EngineConfig(max_num_seqs=seqs, max_model_len=256, max_draft_len=L), {"mtp": rec},
+                        eos_token_ids=())
+        outputs[kind] = engine.generate(reqs("mtp", n=24))
+        trees[kind] = sorted(rec.trees, key=lambda t: t[:2])
+    assert len(trees["fused"]) > 4 * 4 and trees["remote"] == trees["fused"]
+    for k, o in outputs["fused"].items():
+        assert outputs["remote"][k].new_token_ids == o.new_token_ids
+        assert outputs["remote"][k].stats.accepted_by_proposer == o.stats.accepted_by_proposer
+    credited = {p for o in outputs["remote"].values() for p in o.stats.accepted_by_proposer}
+    # the target as draft model wins every step; the random one loses to EAGLE and n-gram
+    assert credited == ({"draft"} if draft_kind == "target" else {"eagle", "ngram"})
+
+
+def test_draft_service_evicts_the_least_recently_used_sequence_and_catches_up(four_drafters):
+    """draft_drafter's state is a cache: with its slots full a new sequence evicts the least
+    recently used one, which later drafts the same chain from its tokens alone."""
+    from specserve.proposers.remote_mtp_drafters import DraftModelService
+
+    *_, drafts = four_drafters
+    service = DraftModelService(drafts["random"], max_num_seqs=2, max_model_len=64, max_draft_len=4)
+    ctx = np.array([[5, 17, 99, 3], [11, 12, 13, -1], [77, 78, -1, -1]])
+    first, lps = service.chains(np.array([1, 2]), ctx[:2], np.array([4, 2]))
+    assert (first[1, 2:] == -1).all() and (first[0] >= 0).all() and (lps <= 0).all()
+    service.chains(np.array([3]), ctx[2:], np.array([3]))          # evicts sequence 1
+    assert service.evicted == 1 and set(service._used) == {2, 3}
+    again, lps_again = service.chains(np.array([1]), ctx[:1], np.array([4]))   # evicts 2, recomputes 1
+    assert again.tolist() == first[:1].tolist() and np.allclose(lps_again, lps[:1], atol=1e-5)
+    with pytest.raises(ValueError, match="draft_drafter: 3 sequences in one call, more than its 2 slots"):
+        service.chains(np.array([7, 8, 9]), ctx, np.array([1, 1, 1]))
