@@ -437,3 +437,56 @@ def test_draft_service_evicts_the_least_recently_used_sequence_and_catches_up(fo
     assert again.tolist() == first[:1].tolist() and np.allclose(lps_again, lps[:1], atol=1e-5)
     with pytest.raises(ValueError, match="draft_drafter: 3 sequences in one call, more than its 2 slots"):
         service.chains(np.array([7, 8, 9]), ctx, np.array([1, 1, 1]))
+
+
+def test_mtp_proposal_renders_the_served_drafters_only(four_drafters, target_path, tmp_path):
+    """No draft model served → no draft_drafter, and the ensemble does not name it; MTP heads
+    served → mtp_heads with their ONNX export."""
+    import re
+
+    from specserve.proposers.mtp import save_mtp_heads
+    from specserve.triton.render import RepositorySettings, render_mtp_proposal
+
+    heads = four_drafters[3]
+    save_mtp_heads(heads, tmp_path / "mtp")
+    steps = {}
+    for name, drafted in (("plain", (("eagle", "unused"),)), ("heads", (("eagle", "unused"), ("mtp", str(tmp_path / "mtp"))))):
+        repo = tmp_path / name
+        render_mtp_proposal(RepositorySettings(target_path, drafters=drafted, placement="remote"), repo)
+        steps[name] = re.findall(r'model_name: "(\w+)"', (repo / "mtp_proposal" / "config.pbtxt").read_text())
+        assert sorted(p.name for p in repo.iterdir()) == sorted({"mtp_proposal", "ngram_drafter", "mtp_arbiter",
+                                                                 *(["mtp_heads"] if name == "heads" else [])})
+    assert steps["plain"] == ["eagle_backbone", "calibration_head", "ngram_drafter", "mtp_arbiter"]
+    assert steps["heads"] == ["mtp_heads", "eagle_backbone", "calibration_head", "ngram_drafter", "mtp_arbiter"]
+    assert (tmp_path / "heads" / "mtp_heads" / "1" / "mtp_heads.onnx").is_file()
+
+
+def test_remote_mtp_credits_the_demo_heads_and_draft_model(tmp_path):
+    """The committed demo MTP heads and draft model behind remote mtp's models (in process: what
+    mtp_heads and draft_drafter run, rendered fp32): greedy output equals plain decoding on two
+    held-out prompts, and accepted tokens are credited to both."""
+    from specserve.proposers.mtp import export_mtp_onnx, load_mtp_heads
+    from specserve.proposers.remote_mtp import RemoteMTPProposer, draft_call, heads_call, in_process_call
+    from specserve.proposers.remote_mtp_drafters import DraftModelService, HeadsOnnxRuntime, load_remote_draft
+    from specserve.triton.tokenizer import load_tokenizer
+
+    demo = ROOT / "models" / "demo"
+    target = load_model(demo / "target")
+    export_mtp_onnx(load_mtp_heads(demo / "mtp", target), tmp_path / "mtp_heads.onnx")
+    draft = load_remote_draft(demo / "draft", demo / "target", dtype="float32")
+    call = in_process_call(None, heads=heads_call(HeadsOnnxRuntime(tmp_path / "mtp_heads.onnx")),
+                           draft=draft_call(DraftModelService(draft, max_num_seqs=2, max_model_len=512, max_draft_len=8)))
+    remote = RemoteMTPProposer(call, served=("mtp_heads", "draft", "ngram"), max_draft_len=8, budget=16, threshold=None)
+    engine = Engine(target, EngineConfig(max_num_seqs=2, max_model_len=512, max_draft_len=8), {"mtp": remote})
+    tok = load_tokenizer(demo / "target")
+    prompts = [json.loads(line)["prompt"] for line in (demo / "heldout_prompts.jsonl").read_text().splitlines()[:2]]
+    out = {}
+    for method in ("none", "mtp"):
+        out[method] = engine.generate([GenerationRequest(f"{method}{i}", tok.encode(p).ids, SamplingParams(max_tokens=32),
+                                                         method) for i, p in enumerate(prompts)])
+    credited = {}
+    for i in range(len(prompts)):
+        assert out["mtp"][f"mtp{i}"].new_token_ids == out["none"][f"none{i}"].new_token_ids
+        for k, v in out["mtp"][f"mtp{i}"].stats.accepted_by_proposer.items():
+            credited[k] = credited.get(k, 0) + v
+    assert credited.get("mtp_heads", 0) > 0 and credited.get("draft", 0) > 0, credited
