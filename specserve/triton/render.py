@@ -218,6 +218,8 @@ def render_text_classifier(folder: Path, repo: Path, *, version: int) -> None:
     for name in (MODEL_FILE, CONFIG_FILE):
         shutil.copy2(folder / name, vdir / name)
     (repo / spec.name / "config.pbtxt").write_text(python_model_config(spec, {}))
+
+
 def render_mtp_proposal(settings: RepositorySettings, repo: Path) -> None:
     """mtp_proposal and its own models: ngram_drafter and mtp_arbiter always, mtp_heads and
     draft_drafter where their weights are served (factory.mtp_subproposers, as the engine's
