@@ -54,7 +54,7 @@ def start_server(tmp_path_factory, placement: str):
     drafted = (("eagle", str(root / "eagle")), ("mtp", str(root / "mtp")), ("draft", str(root / "draft")))
     repo = render_repository(RepositorySettings(ckpt, max_num_seqs=16, max_model_len=256, max_draft_len=4,
                                                 default_method="eagle", drafters=drafted,
-                                                placement=placement, spec_threshold=None, drafter_dtype="float32"),
+                                                placement=placement, spec_threshold=None),
                              root / "model_repository")
     extra = ["--model-control-mode=explicit", "--load-model=*"] if placement == "remote" else []
     srv = TritonServer(repo, root, None, log_file=root / "tritonserver.log", exit_timeout_s=5,
@@ -166,34 +166,42 @@ def test_mtp_request_overrides_reach_the_remote_arbiter(server):
 
 
 def test_unloading_a_drafter_of_mtp_proposal_during_eight_streams_fails_nothing(server):
-    """eagle_backbone, then mtp_heads, then draft_drafter go away and come back while 8 mtp streams
-    run (the ensemble fails; the engine calls the drafters still loaded and mtp_arbiter one by
-    one; EAGLE is re-primed, the draft model catches up from the tokens): every output equals
-    plain decoding, and a request decoded while one is gone names it (and the ensemble) in
+    """While 8 mtp streams run, mtp_heads, then draft_drafter, then eagle_backbone go away, and come
+    back in the same order (the ensemble fails; the engine calls the drafters still loaded and
+    mtp_arbiter one by one; EAGLE is re-primed, the draft model catches up from the tokens): every
+    output equals plain decoding, the streams decoded steps without each of them, and a request
+    decoded in between names exactly the drafters then unloaded (and the ensemble) in
     proposer_skipped. Then ngram_drafter, for one request."""
     jobs = [(PROMPTS + [MTP_PROMPT])[i % 5] for i in range(8)]
-    want = {p: gen(server, p, "none", 160) for p in set(jobs)}
+    want = {p: gen(server, p, "none", 200) for p in set(jobs)}
     want_short = gen(server, PROMPTS[2], "none", 12).text
+    models = {"mtp_heads": "mtp_heads", "draft_drafter": "draft", "eagle_backbone": "eagle"}
 
     def unload_and_reload():
-        seen = {}
-        for model, sub in (("eagle_backbone", "eagle"), ("mtp_heads", "mtp_heads"), ("draft_drafter", "draft")):
-            drafters.unload(server.grpc_url, model, server.admin_key)
-            alone = gen(server, PROMPTS[2], "mtp", 12)   # steps without it
-            assert alone.text == want_short, model
-            seen[sub] = alone.spec_stats["proposer_skipped"]
-            drafters.load(server.grpc_url, model, server.admin_key)
+        # All unloads first: a load (a stub starting) takes seconds, the streams may not outlast two.
+        seen, gone = [], set()
+        for action, model in [("unload", m) for m in models] + [("load", m) for m in models]:
+            getattr(drafters, action)(server.grpc_url, model, server.admin_key)
+            (gone.add if action == "unload" else gone.discard)(models[model])
+            if gone:
+                alone = gen(server, PROMPTS[2], "mtp", 12)
+                assert alone.text == want_short, (action, model)
+                seen.append((set(gone), alone.spec_stats["proposer_skipped"]))
         return seen
 
     results, seen = during_streams(lambda p, on_chunk: StreamClient(server.grpc_url).generate(
-        p, {"max_tokens": 160, "spec_method": "mtp"}, on_chunk=on_chunk, timeout=300), jobs, unload_and_reload)
+        p, {"max_tokens": 200, "spec_method": "mtp"}, on_chunk=on_chunk, timeout=300), jobs, unload_and_reload)
     for p, r in zip(jobs, results):
         assert (r.text, r.finish_reason) == (want[p].text, want[p].finish_reason)
         assert r.spec_stats["proposer_errors"] == 0 or r.spec_stats["proposer_skipped"]
-    for sub, skipped in seen.items():
-        assert set(skipped) == {"mtp_proposal", sub} and skipped[sub] == skipped["mtp_proposal"] > 0, (sub, skipped)
-    skipped = [r.spec_stats["proposer_skipped"] for r in results]
-    assert sum(s.get("mtp_proposal", 0) for s in skipped) > 0 and sum(s.get("eagle", 0) for s in skipped) > 0
+    assert [g for g, _ in seen] == [{"mtp_heads"}, {"mtp_heads", "draft"}, {"mtp_heads", "draft", "eagle"},
+                                    {"draft", "eagle"}, {"eagle"}]
+    for gone, skipped in seen:
+        assert set(skipped) == {"mtp_proposal", *gone}, (gone, skipped)
+        assert all(skipped[sub] == skipped["mtp_proposal"] > 0 for sub in gone), (gone, skipped)
+    in_streams = [r.spec_stats["proposer_skipped"] for r in results]
+    for name in ("mtp_proposal", *models.values()):
+        assert sum(s.get(name, 0) for s in in_streams) > 0, (name, in_streams)
     # the ensemble answers again (it fails as a whole while any member is missing)
     assert gen(server, MTP_PROMPT, "mtp").spec_stats["proposer_skipped"] == {}
 
