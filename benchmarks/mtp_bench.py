@@ -1,7 +1,7 @@
 """MTP multi-draft through Triton, against none and EAGLE, on clean and typo'd held-out prompts.
 
-Part 1 (through Triton; one tritonserver, drafters FUSED in the engine: the remote placement's
-mtp merges only EAGLE and n-gram, see remote_mtp.py). Greedy, one request at a time, every
+Part 1 (through Triton; one tritonserver, drafters FUSED in the engine; remote_mtp.py is the
+remote placement, which merges the same four drafters). Greedy, one request at a time, every
 configuration on every prompt in an order rotated per prompt, clean and typo'd sets alternated:
 
     none      plain decoding

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -379,3 +380,156 @@ def test_renamed_words_are_misspelt_the_same_way_at_every_occurrence():
 def test_the_committed_renamed_set_is_what_its_command_makes(tmp_path):
     _typo_module().main(["--seed", "14", "--consistent", "--out", str(tmp_path / "r.jsonl")])
     assert (tmp_path / "r.jsonl").read_text() == (ROOT / "docs/mtp/typo_prompts_renamed.jsonl").read_text()
+
+
+# -- remote mtp with all four sub-proposers, in process: the same trees as fused mtp ---------------
+class Recorder:
+    """Wraps a proposer and records every tree it proposes (seq, length, tokens, parents, sources)."""
+
+    def __init__(self, inner):
+        self.inner, self.trees = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, requests):
+        drafts = self.inner.propose(requests)
+        self.trees += [(r.seq_id, len(r.token_ids), d.tokens, d.parents, [tuple(sorted(s)) for s in d.sources], d.skipped)
+                       for r, d in zip(requests, drafts)]
+        return drafts
+
+
+@pytest.fixture(scope="module")
+def four_drafters(target_path, tmp_path_factory):
+    """The tiny target's EAGLE (random, exported), MTP heads (random, exported) and two draft
+    models: the target itself (drafts accepted in full) and a random one (drafts rejected)."""
+    from specserve.proposers.eagle_export import export
+    from specserve.proposers.mtp import MTPConfig, MTPHeads, _target_fields, export_mtp_onnx
+
+    target = load_model(target_path)
+    out = tmp_path_factory.mktemp("remote_mtp")
+    drafter = random_drafter(target, seed=1)
+    report = export(target, drafter, out)
+    torch.manual_seed(4)
+    heads = MTPHeads(MTPConfig(**{**_target_fields(target), "num_heads": 3, "intermediate_size": 32}),
+                     target.lm_head.weight)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.2)
+    heads = heads.eval().requires_grad_(False)
+    export_mtp_onnx(heads, out / "mtp_heads.onnx")
+    drafts = {"target": load_model(target_path), "random": load_model(make_tiny_checkpoint(out / "d", "llama", seed=22))}
+    return target, drafter, report, heads, out / "mtp_heads.onnx", drafts
+
+
+@pytest.mark.parametrize("draft_kind", ["target", "random"])
+def test_remote_mtp_proposes_the_fused_trees_with_all_four_drafters(four_drafters, draft_kind):
+    """Greedy, 4 sequences batched: remote mtp (in_process_call: the ONNX EAGLE and MTP heads, the
+    draft model's service, n-gram, the arbiter batch) proposes exactly fused mtp's tree at every
+    step, and both credit all four proposers. The draft model's cache is rolled back by observe()
+    fused and by its catch-up remotely; a stale entry would change its drafts."""
+    from specserve.proposers.draft_model import DraftModelProposer
+    from specserve.proposers.eagle_onnx import CalibrationOnnxRuntime, EagleOnnxRuntime
+    from specserve.proposers.eagle_onnx import in_process_call as eagle_call
+    from specserve.proposers.mtp import MTPHeadsProposer
+    from specserve.proposers.multi_draft import SUBPROPOSERS
+    from specserve.proposers.remote_mtp import RemoteMTPProposer, draft_call, heads_call, in_process_call
+    from specserve.proposers.remote_mtp_drafters import DraftModelService, HeadsOnnxRuntime
+
+    target, drafter, report, heads, heads_onnx, drafts = four_drafters
+    draft, L, seqs = drafts[draft_kind], 5, 4
+    fused = MultiDraftProposer([MTPHeadsProposer(heads, max_draft_len=L), eagle(target, seed=1, max_draft_len=L),
+                                DraftModelProposer(draft, max_num_seqs=seqs, max_model_len=256, max_draft_len=L),
+                                NgramProposer()], max_draft_len=L, vocab_size=target.cfg.vocab_size)
+    c = target.cfg
+    remote_call = in_process_call(
+        eagle_call(EagleOnnxRuntime(str(report.backbone), c.num_kv_heads, c.head_dim),
+                   CalibrationOnnxRuntime(str(report.calibration))),
+        heads=heads_call(HeadsOnnxRuntime(heads_onnx)),
+        draft=draft_call(DraftModelService(draft, max_num_seqs=seqs, max_model_len=256, max_draft_len=L)))
+    remote = RemoteMTPProposer(remote_call, served=SUBPROPOSERS, max_draft_len=L, budget=16, threshold=None)
+    outputs, trees = {}, {}
+    for kind, proposer in (("fused", fused), ("remote", remote)):
+        rec = Recorder(proposer)
+        engine = Engine(target, EngineConfig(max_num_seqs=seqs, max_model_len=256, max_draft_len=L), {"mtp": rec},
+                        eos_token_ids=())
+        outputs[kind] = engine.generate(reqs("mtp", n=24))
+        trees[kind] = sorted(rec.trees, key=lambda t: t[:2])
+    assert len(trees["fused"]) > 4 * 4 and trees["remote"] == trees["fused"]
+    for k, o in outputs["fused"].items():
+        assert outputs["remote"][k].new_token_ids == o.new_token_ids
+        assert outputs["remote"][k].stats.accepted_by_proposer == o.stats.accepted_by_proposer
+    credited = {p for o in outputs["remote"].values() for p in o.stats.accepted_by_proposer}
+    # the target as draft model wins every step; the random one loses to EAGLE and n-gram
+    assert credited == ({"draft"} if draft_kind == "target" else {"eagle", "ngram"})
+
+
+def test_draft_service_evicts_the_least_recently_used_sequence_and_catches_up(four_drafters):
+    """draft_drafter's state is a cache: with its slots full a new sequence evicts the least
+    recently used one, which later drafts the same chain from its tokens alone."""
+    from specserve.proposers.remote_mtp_drafters import DraftModelService
+
+    *_, drafts = four_drafters
+    service = DraftModelService(drafts["random"], max_num_seqs=2, max_model_len=64, max_draft_len=4)
+    ctx = np.array([[5, 17, 99, 3], [11, 12, 13, -1], [77, 78, -1, -1]])
+    first, lps = service.chains(np.array([1, 2]), ctx[:2], np.array([4, 2]))
+    assert (first[1, 2:] == -1).all() and (first[0] >= 0).all() and (lps <= 0).all()
+    service.chains(np.array([3]), ctx[2:], np.array([3]))          # evicts sequence 1
+    assert service.evicted == 1 and set(service._used) == {2, 3}
+    again, lps_again = service.chains(np.array([1]), ctx[:1], np.array([4]))   # evicts 2, recomputes 1
+    assert again.tolist() == first[:1].tolist() and np.allclose(lps_again, lps[:1], atol=1e-5)
+    with pytest.raises(ValueError, match="draft_drafter: 3 sequences in one call, more than its 2 slots"):
+        service.chains(np.array([7, 8, 9]), ctx, np.array([1, 1, 1]))
+
+
+def test_mtp_proposal_renders_the_served_drafters_only(four_drafters, target_path, tmp_path):
+    """No draft model served → no draft_drafter, and the ensemble does not name it; MTP heads
+    served → mtp_heads with their ONNX export."""
+    import re
+
+    from specserve.proposers.mtp import save_mtp_heads
+    from specserve.triton.render import RepositorySettings, render_mtp_proposal
+
+    heads = four_drafters[3]
+    save_mtp_heads(heads, tmp_path / "mtp")
+    steps = {}
+    for name, drafted in (("plain", (("eagle", "unused"),)), ("heads", (("eagle", "unused"), ("mtp", str(tmp_path / "mtp"))))):
+        repo = tmp_path / name
+        render_mtp_proposal(RepositorySettings(target_path, drafters=drafted, placement="remote"), repo)
+        steps[name] = re.findall(r'model_name: "(\w+)"', (repo / "mtp_proposal" / "config.pbtxt").read_text())
+        assert sorted(p.name for p in repo.iterdir()) == sorted({"mtp_proposal", "ngram_drafter", "mtp_arbiter",
+                                                                 *(["mtp_heads"] if name == "heads" else [])})
+    assert steps["plain"] == ["eagle_backbone", "calibration_head", "ngram_drafter", "mtp_arbiter"]
+    assert steps["heads"] == ["mtp_heads", "eagle_backbone", "calibration_head", "ngram_drafter", "mtp_arbiter"]
+    assert (tmp_path / "heads" / "mtp_heads" / "1" / "mtp_heads.onnx").is_file()
+
+
+def test_remote_mtp_credits_the_demo_heads_and_draft_model(tmp_path):
+    """The committed demo MTP heads and draft model behind remote mtp's models (in process: what
+    mtp_heads and draft_drafter run, rendered fp32): greedy output equals plain decoding on two
+    held-out prompts, and accepted tokens are credited to both."""
+    from specserve.proposers.mtp import export_mtp_onnx, load_mtp_heads
+    from specserve.proposers.remote_mtp import RemoteMTPProposer, draft_call, heads_call, in_process_call
+    from specserve.proposers.remote_mtp_drafters import DraftModelService, HeadsOnnxRuntime, load_remote_draft
+    from specserve.triton.tokenizer import load_tokenizer
+
+    demo = ROOT / "models" / "demo"
+    target = load_model(demo / "target")
+    export_mtp_onnx(load_mtp_heads(demo / "mtp", target), tmp_path / "mtp_heads.onnx")
+    draft = load_remote_draft(demo / "draft", demo / "target", dtype="float32")
+    call = in_process_call(None, heads=heads_call(HeadsOnnxRuntime(tmp_path / "mtp_heads.onnx")),
+                           draft=draft_call(DraftModelService(draft, max_num_seqs=2, max_model_len=512, max_draft_len=8)))
+    remote = RemoteMTPProposer(call, served=("mtp_heads", "draft", "ngram"), max_draft_len=8, budget=16, threshold=None)
+    engine = Engine(target, EngineConfig(max_num_seqs=2, max_model_len=512, max_draft_len=8), {"mtp": remote})
+    tok = load_tokenizer(demo / "target")
+    prompts = [json.loads(line)["prompt"] for line in (demo / "heldout_prompts.jsonl").read_text().splitlines()[:2]]
+    out = {}
+    for method in ("none", "mtp"):
+        out[method] = engine.generate([GenerationRequest(f"{method}{i}", tok.encode(p).ids, SamplingParams(max_tokens=32),
+                                                         method) for i, p in enumerate(prompts)])
+    credited = {}
+    for i in range(len(prompts)):
+        assert out["mtp"][f"mtp{i}"].new_token_ids == out["none"][f"none{i}"].new_token_ids
+        for k, v in out["mtp"][f"mtp{i}"].stats.accepted_by_proposer.items():
+            credited[k] = credited.get(k, 0) + v
+    assert credited.get("mtp_heads", 0) > 0 and credited.get("draft", 0) > 0, credited

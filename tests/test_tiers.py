@@ -228,9 +228,15 @@ def test_tier_model_names_derive_from_the_schema():
 def test_drafter_models_derive_from_the_proposal_registry():
     from specserve.triton import drafters
     assert drafters.DRAFTER_MODELS == ("eagle_proposal", "eagle_backbone", "calibration_head", "mtp_proposal",
-                                       "ngram_drafter", "mtp_arbiter")
+                                       "mtp_heads", "draft_drafter", "ngram_drafter", "mtp_arbiter")
     assert drafters.PARTS == {"eagle_proposal": ("eagle_backbone", "calibration_head"),
-                              "mtp_proposal": ("eagle_backbone", "calibration_head", "ngram_drafter", "mtp_arbiter")}
+                              "mtp_proposal": ("mtp_heads", "eagle_backbone", "calibration_head", "draft_drafter",
+                                               "ngram_drafter", "mtp_arbiter")}
+    # a deployment's mtp_proposal has the served sub-proposers' models only
+    assert [m.name for m in schema.mtp_proposal_steps(["eagle", "ngram"])] == \
+        ["eagle_backbone", "calibration_head", "ngram_drafter", "mtp_arbiter"]
+    with pytest.raises(ValueError, match=r"mtp_proposal: no drafter models for \['medusa'\]"):
+        schema.mtp_proposal_steps(["medusa"])
 
 
 # -- priority admission, with a full engine ------------------------------------------------------------

@@ -1,7 +1,8 @@
 """EAGLE served remotely through a real tritonserver (explicit model control): greedy equals
 plain decoding, and unloading / reloading the drafter during concurrent streams fails nothing.
-The same servers serve `mtp` (EAGLE + n-gram merged by the arbiter; remote: the mtp_proposal
-ensemble), tested here too rather than on servers of their own (the suite's time budget)."""
+The same servers serve `mtp` (the MTP heads, EAGLE, the draft model and n-gram merged by the
+arbiter; remote: the mtp_proposal ensemble), tested here too rather than on servers of their own
+(the suite's time budget)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 from conftest import make_tiny_checkpoint
 from specserve.model import load_model
 from specserve.proposers.eagle import save_eagle
+from specserve.proposers.mtp import MTPConfig, MTPHeads, _target_fields, save_mtp_heads
 from specserve.tiny import train_tiny_tokenizer
 from specserve.triton import drafters
 from specserve.triton.client import CompletionError, StreamClient
@@ -44,8 +46,14 @@ def start_server(tmp_path_factory, placement: str):
     make_tiny_checkpoint(ckpt, "llama", vocab_size=vocab, seed=3, max_position_embeddings=256)
     target = load_model(ckpt)
     save_eagle(random_drafter(target, seed=5), json.loads((ckpt / "config.json").read_text()), root / "eagle")
+    # mtp's other two drafters: untrained MTP heads (each head predicts the pending token again,
+    # right where the output repeats a token) and the target as its own draft model (always right).
+    save_mtp_heads(MTPHeads(MTPConfig(**{**_target_fields(target), "num_heads": 3, "intermediate_size": 16}),
+                            target.lm_head.weight), root / "mtp")
+    shutil.copytree(ckpt, root / "draft")
+    drafted = (("eagle", str(root / "eagle")), ("mtp", str(root / "mtp")), ("draft", str(root / "draft")))
     repo = render_repository(RepositorySettings(ckpt, max_num_seqs=16, max_model_len=256, max_draft_len=4,
-                                                default_method="eagle", drafters=(("eagle", str(root / "eagle")),),
+                                                default_method="eagle", drafters=drafted,
                                                 placement=placement, spec_threshold=None),
                              root / "model_repository")
     extra = ["--model-control-mode=explicit", "--load-model=*"] if placement == "remote" else []
@@ -98,13 +106,18 @@ def test_fused_eagle_greedy_equals_none(fused_server):
     assert "eagle_proposal" not in names and "llm" in names
 
 
-# -- mtp on the same servers (served beside eagle: EAGLE + n-gram, merged by the arbiter) ----------------
+# -- mtp on the same servers (served beside eagle: the MTP heads, EAGLE, the draft model and n-gram,
+# merged by the arbiter) -------------------------------------------------------------------------------
 MTP_PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):"
+MTP_MODELS = ("mtp_proposal", "mtp_heads", "eagle_backbone", "calibration_head", "draft_drafter", "ngram_drafter",
+              "mtp_arbiter")
 
 
 @pytest.mark.parametrize("placement", ["fused", "remote"])
 def test_greedy_mtp_equals_none(request, placement):
-    """Remote: the drafters run in the mtp_proposal ensemble, merged by the mtp_arbiter model."""
+    """Remote: all four drafters run in the mtp_proposal ensemble, merged by the mtp_arbiter model.
+    The draft model (the target itself) wins every step, n-gram shares its prefix on the repeated
+    prompt; each drafter alone (mtp_proposers) drafts too, and every output equals plain decoding."""
     srv = request.getfixturevalue({"fused": "fused_server", "remote": "server"}[placement])
     credited = set()
     for p in (MTP_PROMPT, *PROMPTS):
@@ -114,21 +127,27 @@ def test_greedy_mtp_equals_none(request, placement):
         assert st["method"] == "mtp" and st["draft_tokens"] > 0 and st["proposer_errors"] == 0
         assert st["proposer_skipped"] == {}
         credited |= set(st["accepted_by_proposer"])
-    assert credited == {"eagle", "ngram"}
+    assert credited == {"draft", "ngram"}
+    plain = gen(srv, PROMPTS[0], "none").text
+    for sub in ("mtp_heads", "eagle", "draft"):
+        alone = StreamClient(srv.grpc_url).generate(PROMPTS[0], {"max_tokens": 40, "spec_method": "mtp",
+                                                                 "mtp_proposers": [sub]})
+        assert alone.text == plain and alone.spec_stats["draft_tokens"] > 0, sub
+        assert alone.spec_stats["proposer_skipped"] == {} and set(alone.spec_stats["accepted_by_proposer"]) <= {sub}
     names = {m.name: m.state for m in drafters.list_models(srv.grpc_url, srv.admin_key)}
     if placement == "remote":
-        assert all(names[m] == "READY" for m in ("mtp_proposal", "ngram_drafter", "mtp_arbiter"))
+        assert all(names[m] == "READY" for m in MTP_MODELS)
         name = "specserve_spec_decode_num_accepted_tokens_per_proposer_total"
         deadline = time.monotonic() + 10   # metrics are sent from a worker thread
         while True:
             got = {p for k in scrape_metrics(srv.metrics_url) if k.startswith(name) and 'method="mtp"' in k
-                   for p in ("eagle", "ngram") if f'proposer="{p}"' in k}
-            if got == {"eagle", "ngram"} or time.monotonic() > deadline:
+                   for p in ("draft", "ngram") if f'proposer="{p}"' in k}
+            if got == {"draft", "ngram"} or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        assert got == {"eagle", "ngram"}
+        assert got == {"draft", "ngram"}
     else:
-        assert "mtp_proposal" not in names
+        assert not set(MTP_MODELS) & set(names)
 
 
 def test_mtp_request_overrides_reach_the_remote_arbiter(server):
@@ -137,8 +156,8 @@ def test_mtp_request_overrides_reach_the_remote_arbiter(server):
     assert only.text == gen(server, MTP_PROMPT, "none").text
     st = only.spec_stats
     assert set(st["accepted_by_proposer"]) == {"ngram"} and st["draft_tokens"] <= 3 * st["drafts"]
-    for bad, message in (({"mtp_proposers": ["draft"]}, "mtp_proposers: proposer 'draft' is not served here; "
-                                                         "served: eagle, ngram"),
+    for bad, message in (({"mtp_proposers": ["medusa"]}, "mtp_proposers: unknown proposer 'medusa'; known: "
+                                                         "mtp_heads, eagle, draft, ngram"),
                          ({"mtp_tree_budget": 5}, "mtp_tree_budget must be an integer in [1, 4] (the server's "
                                                   "max_draft_len), got 5")):
         with pytest.raises(CompletionError) as e:
@@ -147,24 +166,42 @@ def test_mtp_request_overrides_reach_the_remote_arbiter(server):
 
 
 def test_unloading_a_drafter_of_mtp_proposal_during_eight_streams_fails_nothing(server):
-    """eagle_backbone goes away while 8 mtp streams run (the ensemble fails; the engine calls
-    ngram_drafter and mtp_arbiter one by one), then comes back (EAGLE re-primed): every output
-    equals plain decoding and the fallback is counted. Then ngram_drafter, for one request."""
+    """While 8 mtp streams run, mtp_heads, then draft_drafter, then eagle_backbone go away, and come
+    back in the same order (the ensemble fails; the engine calls the drafters still loaded and
+    mtp_arbiter one by one; EAGLE is re-primed, the draft model catches up from the tokens): every
+    output equals plain decoding, the streams decoded steps without each of them, and a request
+    decoded in between names exactly the drafters then unloaded (and the ensemble) in
+    proposer_skipped. Then ngram_drafter, for one request."""
     jobs = [(PROMPTS + [MTP_PROMPT])[i % 5] for i in range(8)]
-    want = {p: gen(server, p, "none", 96) for p in set(jobs)}
+    want = {p: gen(server, p, "none", 200) for p in set(jobs)}
+    want_short = gen(server, PROMPTS[2], "none", 12).text
+    models = {"mtp_heads": "mtp_heads", "draft_drafter": "draft", "eagle_backbone": "eagle"}
 
     def unload_and_reload():
-        drafters.unload(server.grpc_url, "eagle_backbone", server.admin_key)
-        gen(server, PROMPTS[2], "mtp", 6)   # steps without EAGLE
-        drafters.load(server.grpc_url, "eagle_backbone", server.admin_key)
+        # All unloads first: a load (a stub starting) takes seconds, the streams may not outlast two.
+        seen, gone = [], set()
+        for action, model in [("unload", m) for m in models] + [("load", m) for m in models]:
+            getattr(drafters, action)(server.grpc_url, model, server.admin_key)
+            (gone.add if action == "unload" else gone.discard)(models[model])
+            if gone:
+                alone = gen(server, PROMPTS[2], "mtp", 12)
+                assert alone.text == want_short, (action, model)
+                seen.append((set(gone), alone.spec_stats["proposer_skipped"]))
+        return seen
 
-    results, _ = during_streams(lambda p, on_chunk: StreamClient(server.grpc_url).generate(
-        p, {"max_tokens": 96, "spec_method": "mtp"}, on_chunk=on_chunk, timeout=300), jobs, unload_and_reload)
+    results, seen = during_streams(lambda p, on_chunk: StreamClient(server.grpc_url).generate(
+        p, {"max_tokens": 200, "spec_method": "mtp"}, on_chunk=on_chunk, timeout=300), jobs, unload_and_reload)
     for p, r in zip(jobs, results):
         assert (r.text, r.finish_reason) == (want[p].text, want[p].finish_reason)
         assert r.spec_stats["proposer_errors"] == 0 or r.spec_stats["proposer_skipped"]
-    skipped = [r.spec_stats["proposer_skipped"] for r in results]
-    assert sum(s.get("mtp_proposal", 0) for s in skipped) > 0 and sum(s.get("eagle", 0) for s in skipped) > 0
+    assert [g for g, _ in seen] == [{"mtp_heads"}, {"mtp_heads", "draft"}, {"mtp_heads", "draft", "eagle"},
+                                    {"draft", "eagle"}, {"eagle"}]
+    for gone, skipped in seen:
+        assert set(skipped) == {"mtp_proposal", *gone}, (gone, skipped)
+        assert all(skipped[sub] == skipped["mtp_proposal"] > 0 for sub in gone), (gone, skipped)
+    in_streams = [r.spec_stats["proposer_skipped"] for r in results]
+    for name in ("mtp_proposal", *models.values()):
+        assert sum(s.get(name, 0) for s in in_streams) > 0, (name, in_streams)
     # the ensemble answers again (it fails as a whole while any member is missing)
     assert gen(server, MTP_PROMPT, "mtp").spec_stats["proposer_skipped"] == {}
 

@@ -162,7 +162,9 @@ def in_process_call(backbone: EagleOnnxRuntime, calibration: CalibrationOnnxRunt
 
     def call(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         res = backbone.draft(DraftBatch(**inputs))
+        # draft_scalars too, as the mtp_proposal ensemble passes them on: remote mtp's arbiter
+        # reads EAGLE's confidence from them (remote_mtp._eagle_candidate).
         return {"draft_tokens": res.tokens, "accept_prob": calibration.accept_prob(res.hidden, res.scalars),
-                "unknown": res.unknown}
+                "draft_scalars": res.scalars, "unknown": res.unknown}
 
     return call

@@ -1,7 +1,9 @@
 """`mtp`, remote placement: the drafters run as Triton models in parallel inside the ensemble
-`mtp_proposal` (eagle_backbone → calibration_head ∥ ngram_drafter), feeding `mtp_arbiter`, which
-merges their drafts with the same arbiter as the fused method (arbiter.py); the engine calls the
-ensemble once per step by BLS (schema.MTP_PROPOSAL says what travels).
+`mtp_proposal` (mtp_heads ∥ eagle_backbone → calibration_head ∥ draft_drafter ∥ ngram_drafter, each
+where its weights are served: schema.MTP_DRAFTERS), feeding `mtp_arbiter`, which merges their
+drafts with the same arbiter as the fused method (arbiter.py); the engine calls the ensemble once
+per step by BLS (schema.MTP_PROPOSAL says what travels). What mtp_heads and draft_drafter compute
+is remote_mtp_drafters.py.
 
 A Triton ensemble fails as a whole when one of its models is unloaded. Then the call falls back
 (specserve.triton.bls.mtp_call): it calls the drafter models that are still loaded one by one,
@@ -9,7 +11,8 @@ and mtp_arbiter with what they returned; the step's draft lists the ensemble and
 left out in Draft.skipped (spec_stats `proposer_skipped`). If the arbiter or every drafter is
 gone, the call fails and the engine decodes the step plainly (RemoteProposer: back-off, never a
 failed request). EAGLE's per-sequence state lives in eagle_backbone as for remote EAGLE: a
-drafter that missed steps answers `unknown` and is re-primed with the history.
+drafter that missed steps answers `unknown` and is re-primed with the history. The draft model's
+lives in draft_drafter, which catches up from the row's tokens by itself (never `unknown`).
 
 Here: the engine-side proposer and the numpy functions the two Triton models run (also called
 in-process by tests).
@@ -28,11 +31,16 @@ from specserve.proposers.base import Draft, DraftRequest
 from specserve.proposers.multi_draft import OPT_BUDGET, OPT_PROPOSERS, SUBPROPOSERS
 from specserve.proposers.ngram import NgramProposer, lookup
 from specserve.proposers.remote import Call, RemoteProposer
+from specserve.triton import schema
 
 log = logging.getLogger("specserve.remote_mtp")
 
-# The sub-proposers the remote ensemble runs (the MTP heads and the draft model are fused only).
-REMOTE_SUBPROPOSERS = ("eagle", "ngram")
+# The sub-proposers the remote ensemble runs: all of fused mtp's, each by its models in
+# schema.MTP_DRAFTERS.
+REMOTE_SUBPROPOSERS = SUBPROPOSERS
+if tuple(schema.MTP_DRAFTERS) != SUBPROPOSERS:
+    raise ImportError(f"schema.MTP_DRAFTERS {tuple(schema.MTP_DRAFTERS)} must list multi_draft.SUBPROPOSERS "
+                      f"{SUBPROPOSERS} in order")
 NGRAM = NgramProposer()   # the fused method's n-gram settings, shared
 
 
@@ -67,25 +75,43 @@ def _eagle_candidate(tokens: np.ndarray, scalars: np.ndarray | None, accept: np.
     return Candidate("eagle", tuple(kept), tuple(lps))
 
 
+def _scored_chain(name: str, tokens: np.ndarray, logprobs: np.ndarray | None, prior: float) -> Candidate | None:
+    """A -1 padded chain with the log-probs its drafter gave (mtp_heads, draft_drafter)."""
+    toks = tuple(int(t) for t in tokens if t >= 0)
+    if not toks:
+        return None
+    lps = (prior,) * len(toks) if logprobs is None else tuple(float(x) for x in logprobs[:len(toks)])
+    return Candidate(name, toks, lps)
+
+
 def arbitrate_batch(inputs: dict[str, np.ndarray | None], config: ArbiterConfig = ArbiterConfig()) -> dict[str, np.ndarray]:
     """mtp_arbiter: the drafters' outputs (any may be None) and each row's tree budget, proposer
-    mask and threshold → the merged tree per row, -1 padded (schema.MTP_ARBITER)."""
+    mask and threshold → the merged tree per row, -1 padded (schema.MTP_ARBITER). Candidates are
+    listed in SUBPROPOSERS order, as fused mtp lists them (the arbiter's tie-breaks)."""
     budget, mask, threshold = inputs["tree_budget"], inputs["proposer_mask"], inputs["row_threshold"]
-    eagle, scalars, accept, ngram = (inputs.get(k) for k in ("draft_tokens", "draft_scalars", "accept_prob",
-                                                              "ngram_tokens"))
+    got = {k: inputs.get(k) for k in ("draft_tokens", "draft_scalars", "accept_prob", "ngram_tokens", "heads_tokens",
+                                       "heads_logprobs", "draft_model_tokens", "draft_model_logprobs")}
+    has = {k: v is not None and v.size > 0 for k, v in got.items()}
     trees = []
     for b in range(len(budget)):
         wanted = names_of(int(mask[b]))
-        cands = []
-        if "eagle" in wanted and eagle is not None and eagle.size:
-            c = _eagle_candidate(eagle[b], None if scalars is None else scalars[b],
-                                 None if accept is None else accept[b], float(threshold[b]))
-            cands += [c] if c else []
-        if "ngram" in wanted and ngram is not None and ngram.size:
-            toks = tuple(int(t) for t in ngram[b] if t >= 0)
-            cands += [Candidate("ngram", toks, (config.prior("ngram"),) * len(toks))] if toks else []
+        cands: list[Candidate | None] = []
+        if "mtp_heads" in wanted and has["heads_tokens"]:
+            cands.append(_scored_chain("mtp_heads", got["heads_tokens"][b],
+                                       got["heads_logprobs"][b] if has["heads_logprobs"] else None,
+                                       config.prior("mtp_heads")))
+        if "eagle" in wanted and has["draft_tokens"]:
+            scalars, accept = got["draft_scalars"], got["accept_prob"]
+            cands.append(_eagle_candidate(got["draft_tokens"][b], scalars[b] if has["draft_scalars"] else None,
+                                          accept[b] if has["accept_prob"] else None, float(threshold[b])))
+        if "draft" in wanted and has["draft_model_tokens"]:
+            cands.append(_scored_chain("draft", got["draft_model_tokens"][b],
+                                       got["draft_model_logprobs"][b] if has["draft_model_logprobs"] else None,
+                                       config.prior("draft")))
+        if "ngram" in wanted and has["ngram_tokens"]:
+            cands.append(_scored_chain("ngram", got["ngram_tokens"][b], None, config.prior("ngram")))
         cfg = ArbiterConfig(int(budget[b]), config.keep, config.bonus, config.priors, config.default_prior)
-        trees.append(arbitrate(cands, cfg, list(SUBPROPOSERS)).draft)
+        trees.append(arbitrate([c for c in cands if c], cfg, list(SUBPROPOSERS)).draft)
     N = max((len(t) for t in trees), default=0)
     out = {k: np.full((len(trees), N), -1, dtype=np.int64) for k in ("tree_tokens", "tree_parents", "tree_sources")}
     for b, t in enumerate(trees):
@@ -95,11 +121,32 @@ def arbitrate_batch(inputs: dict[str, np.ndarray | None], config: ArbiterConfig 
     return out
 
 
-def in_process_call(eagle_call: Callable[[dict], dict] | None) -> Call:
-    """What the mtp_proposal ensemble computes, without Triton (tests): `eagle_call` is EAGLE's
-    proposal (eagle_onnx.in_process_call), None when it is down."""
+def heads_call(rt) -> Callable[[dict], dict]:
+    """mtp_heads as a function of the ensemble's inputs (rt: remote_mtp_drafters.HeadsOnnxRuntime)."""
+    def call(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        tokens, lps = rt.chains(inputs["features"], inputs["num_new"], inputs["max_draft_len"])
+        return {"heads_tokens": tokens, "heads_logprobs": lps}
+    return call
+
+
+def draft_call(service) -> Callable[[dict], dict]:
+    """draft_drafter as a function of the ensemble's inputs (remote_mtp_drafters.DraftModelService)."""
+    def call(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        tokens, lps = service.chains(inputs["seq_ids"], inputs["context_tokens"], inputs["max_draft_len"])
+        return {"draft_model_tokens": tokens, "draft_model_logprobs": lps}
+    return call
+
+
+def in_process_call(eagle_call: Callable[[dict], dict] | None, *, heads: Callable[[dict], dict] | None = None,
+                    draft: Callable[[dict], dict] | None = None) -> Call:
+    """What the mtp_proposal ensemble computes, without Triton (tests, benchmarks): `eagle_call`
+    is EAGLE's proposal (eagle_onnx.in_process_call), `heads` / `draft` are heads_call /
+    draft_call; None for a drafter that is not served (or down)."""
     def call(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         drafted = {"ngram_tokens": ngram_batch(inputs["context_tokens"], inputs["max_draft_len"])}
+        for other in (heads, draft):
+            if other is not None:
+                drafted.update(other(inputs))
         B = len(inputs["seq_ids"])
         unknown = np.zeros(B, dtype=bool)
         if eagle_call is not None:
@@ -157,16 +204,12 @@ class RemoteMTPProposer(RemoteProposer):
 
 
 def remote_mtp(settings, served: list[str]) -> RemoteMTPProposer:
-    """The remote `mtp` proposer of a deployment (factory._mtp). Served sub-proposers that have no
-    remote model (the MTP heads, the draft model) are not part of remote mtp; said in the log, and
-    a request naming one is told it is not served."""
+    """The remote `mtp` proposer of a deployment (factory._mtp): `served` are its sub-proposers,
+    the mtp_proposal ensemble's members (render.render_mtp_proposal renders the same set)."""
     from specserve.proposers.arbiter import DEFAULT_BUDGET
     from specserve.triton import bls
 
-    left_out = [n for n in served if n not in REMOTE_SUBPROPOSERS]
-    if left_out:
-        log.warning("remote mtp merges %s; %s run fused only and are left out of it (serve with "
-                    "--placement fused to include them)", ", ".join(REMOTE_SUBPROPOSERS), ", ".join(left_out))
-    served = [n for n in served if n in REMOTE_SUBPROPOSERS]
-    return RemoteMTPProposer(bls.mtp_call(), served=tuple(served), max_draft_len=settings.max_draft_len,
-                             budget=DEFAULT_BUDGET, threshold=settings.spec_threshold, release=bls.release_call())
+    served = [n for n in SUBPROPOSERS if n in served]
+    return RemoteMTPProposer(bls.mtp_call(served), served=tuple(served), max_draft_len=settings.max_draft_len,
+                             budget=DEFAULT_BUDGET, threshold=settings.spec_threshold,
+                             release=bls.mtp_release_call(served))

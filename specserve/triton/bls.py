@@ -66,13 +66,38 @@ def _try(spec: ModelSpec, inputs: dict[str, np.ndarray], outputs: tuple[str, ...
         return None
 
 
-def mtp_call():
+def _eagle_alone(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+    """EAGLE's part of mtp_proposal by BLS: eagle_backbone, then calibration_head (without it
+    EAGLE's chain is not cut: accept_prob left out). None: eagle_backbone is down."""
+    eagle_in = tuple(t.name for t in schema.EAGLE_PROPOSAL.inputs)
+    backbone = _try(schema.EAGLE_BACKBONE, {k: inputs[k] for k in eagle_in},
+                    (schema.DRAFT_TOKENS.name, schema.DRAFT_HIDDEN.name, schema.DRAFT_SCALARS.name, schema.UNKNOWN.name))
+    if backbone is None:
+        return None
+    out = {k: backbone[k] for k in (schema.DRAFT_TOKENS.name, schema.DRAFT_SCALARS.name, schema.UNKNOWN.name)}
+    cal = _try(schema.CALIBRATION_HEAD, {schema.DRAFT_HIDDEN.name: backbone[schema.DRAFT_HIDDEN.name],
+                                         schema.DRAFT_SCALARS.name: backbone[schema.DRAFT_SCALARS.name]},
+               (schema.ACCEPT_PROB.name,))
+    return out if cal is None else {**out, **cal}
+
+
+def _drafter_alone(name: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+    """Sub-proposer `name`'s drafter models of mtp_proposal by BLS; None when they are down."""
+    if name == "eagle":
+        return _eagle_alone(inputs)
+    (spec,) = schema.MTP_DRAFTERS[name]   # one stateless-to-the-engine model each
+    return _try(spec, {t.name: inputs[t.name] for t in spec.inputs if t.name in inputs},
+                tuple(t.name for t in spec.outputs))
+
+
+def mtp_call(served: list[str] | tuple[str, ...]):
     """The remote `mtp` proposer's call: the mtp_proposal ensemble; when it fails (a member model
-    unloaded), each drafter still loaded, then mtp_arbiter, by BLS one at a time. The answer's
-    `skipped` names the ensemble and the drafters left out (counted per request in spec_stats)."""
+    unloaded), the drafters of the `served` sub-proposers that are still loaded, then
+    mtp_arbiter, by BLS one at a time. The answer's `skipped` names the ensemble and the
+    sub-proposers left out (counted per request in spec_stats)."""
     ensemble = proposal_call(schema.MTP_PROPOSAL)
     tree_outputs = tuple(t.name for t in schema.MTP_ARBITER.outputs)
-    eagle_in = tuple(t.name for t in schema.EAGLE_PROPOSAL.inputs)
+    schema.mtp_proposal_steps(served)   # refuses unknown names now, not on the first failure
 
     def call(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:
@@ -81,29 +106,36 @@ def mtp_call():
             failure = e
         drafted, skipped = {}, ["mtp_proposal"]
         unknown = np.zeros(len(inputs[schema.SEQ_IDS.name]), dtype=bool)
-        backbone = _try(schema.EAGLE_BACKBONE, {k: inputs[k] for k in eagle_in},
-                        (schema.DRAFT_TOKENS.name, schema.DRAFT_HIDDEN.name, schema.DRAFT_SCALARS.name, schema.UNKNOWN.name))
-        if backbone is None:
-            skipped.append("eagle")
-        else:
-            unknown = backbone[schema.UNKNOWN.name]
-            drafted[schema.DRAFT_TOKENS.name] = backbone[schema.DRAFT_TOKENS.name]
-            drafted[schema.DRAFT_SCALARS.name] = backbone[schema.DRAFT_SCALARS.name]
-            # Without the calibration head EAGLE's chain is not cut (accept_prob left out).
-            cal = _try(schema.CALIBRATION_HEAD, {schema.DRAFT_HIDDEN.name: backbone[schema.DRAFT_HIDDEN.name],
-                                                 schema.DRAFT_SCALARS.name: backbone[schema.DRAFT_SCALARS.name]},
-                       (schema.ACCEPT_PROB.name,))
-            if cal is not None:
-                drafted.update(cal)
-        ngram = _try(schema.NGRAM_DRAFTER, {k: inputs[k] for k in (schema.CONTEXT_TOKENS.name, schema.MAX_DRAFT_LEN.name)},
-                     (schema.NGRAM_TOKENS.name,))
-        if ngram is None:
-            skipped.append("ngram")
-        else:
-            drafted.update(ngram)
+        for name in schema.MTP_DRAFTERS:
+            if name not in served:
+                continue
+            got = _drafter_alone(name, inputs)
+            if got is None:
+                skipped.append(name)
+                continue
+            unknown = got.pop(schema.UNKNOWN.name, unknown)
+            drafted.update(got)
         if not drafted:
             raise failure
         settings = {t.name: inputs[t.name] for t in schema.TREE_SETTINGS}
         out = _exec(schema.MTP_ARBITER, {**drafted, **settings}, tree_outputs)
         return {**out, schema.UNKNOWN.name: unknown, "skipped": skipped}
     return call
+
+
+def mtp_release_call(served: list[str] | tuple[str, ...]):
+    """Frees a finished sequence in every served mtp drafter model that keeps per-sequence state
+    (those taking release_ids: eagle_backbone, draft_drafter). Each is tried; failures are raised
+    together after (RemoteProposer logs them; an unloaded drafter has no state to free)."""
+    keepers = [spec for spec in schema.mtp_proposal_steps(served) if schema.RELEASE_IDS in spec.inputs]
+
+    def release(ids) -> None:
+        errors = []
+        for spec in keepers:
+            try:
+                _exec(spec, {schema.RELEASE_IDS.name: np.asarray(ids, dtype=np.int64)}, (spec.outputs[0].name,))
+            except RuntimeError as e:
+                errors.append(str(e))
+        if errors:
+            raise RuntimeError("; ".join(errors))
+    return release

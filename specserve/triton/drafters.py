@@ -84,7 +84,11 @@ def load(url: str, name: str, admin_key: str | None = None) -> None:
 
     _check_name(name)
     client = _client(url)
-    for model in (*PARTS.get(name, ()), name):
+    parts = PARTS.get(name, ())
+    if parts:   # an ensemble's members are those its repository has (mtp_proposal's: those served)
+        present = {m.name for m in list_models(url, admin_key)}
+        parts = tuple(p for p in parts if p in present)
+    for model in (*parts, name):
         try:
             client.load_model(model, headers=grpc_headers(admin_key))
         except InferenceServerException as e:

@@ -35,8 +35,9 @@ PROPOSERS: dict[str, Callable[[], "Proposer"]] = {
 DRAFTED = ("eagle", "dflash", "draft")
 # Drafted methods that run in the engine's process in either placement (the remote placement
 # moves the others out): DFlash keeps its per-sequence memory beside the engine's features;
-# "draft" is a separate small LM with its own KV cache (specserve.proposers.draft_model). Neither
-# has a remote export.
+# "draft" is a separate small LM with its own KV cache (specserve.proposers.draft_model). As a
+# method of its own neither has a remote model; inside remote `mtp` the draft model (and the MTP
+# heads) run as the Triton models draft_drafter / mtp_heads (remote_mtp.py).
 FUSED_ONLY = ("dflash", "draft")
 # Methods whose rows step aside to a fallback method while their output repeats (the request's
 # spec_fallback, its tier's fallback, else EngineConfig.guard_fallback): never a fallback themselves.
@@ -111,6 +112,12 @@ def composite_methods(drafters: tuple[tuple[str, str], ...]) -> list[str]:
     return ["mtp"] if served & trained and "mtp" not in served else []
 
 
+def mtp_subproposers(drafters: tuple[tuple[str, str], ...]) -> list[str]:
+    """The sub-proposers `mtp` merges in a deployment with these drafters (MTP_SUBPROPOSERS order)."""
+    served = {m for m, _ in drafters}
+    return [sub for sub, m in MTP_SUBPROPOSERS.items() if m is None or m in served]
+
+
 def served_methods(drafters: tuple[tuple[str, str], ...]) -> list[str]:
     return ["none", *PROPOSERS, *(m for m, _ in drafters), *static_methods(drafters), *composite_methods(drafters)]
 
@@ -162,15 +169,15 @@ def _mtp_heads(folder: str, model, settings: EngineSettings) -> "Proposer":
 
 def _mtp(proposers: dict, folder: str | None, model, settings: EngineSettings) -> "Proposer":
     """The `mtp` method over every served sub-proposer, sharing the served methods' instances.
-    Remote placement runs it as the mtp_proposal ensemble (EAGLE and n-gram; remote_mtp.py); a
+    Remote placement runs it as the mtp_proposal ensemble (all of them; remote_mtp.py); a
     deployment without a remote EAGLE has no such ensemble, and runs mtp fused, as the draft model."""
     from specserve.proposers.multi_draft import MultiDraftProposer
 
-    subs = [proposers[m] for sub, m in MTP_SUBPROPOSERS.items() if m and sub != "mtp_heads" and m in proposers]
-    subs.append(proposers["ngram"])
     if settings.placement == "remote" and "eagle" in proposers:
         from specserve.proposers.remote_mtp import remote_mtp
-        return remote_mtp(settings, [p.name for p in subs] + (["mtp_heads"] if folder else []))
+        return remote_mtp(settings, mtp_subproposers(settings.drafters))
+    subs = [proposers[m] for sub, m in MTP_SUBPROPOSERS.items() if m and sub != "mtp_heads" and m in proposers]
+    subs.append(proposers["ngram"])
     if folder:
         subs.append(_mtp_heads(folder, model, settings))
     return MultiDraftProposer(subs, max_draft_len=settings.max_draft_len, vocab_size=model.cfg.vocab_size)

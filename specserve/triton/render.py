@@ -21,9 +21,12 @@ travel as model config parameters, because ensembles cannot carry constants (DES
       eagle_proposal/   config.pbtxt  1/            (ensemble: backbone → calibration head)
     and, with a text-type classifier (text_gate.py; preprocess calls it for dflash requests):
       text_classifier/  config.pbtxt  1/model.py 1/model.onnx 1/config.json
-      ngram_drafter/    config.pbtxt  1/model.py    (when mtp is served: remote_mtp.py)
+    and, with a remote EAGLE (remote mtp, remote_mtp.py):
+      ngram_drafter/    config.pbtxt  1/model.py
+      mtp_heads/        config.pbtxt  1/model.py 1/mtp_heads.onnx   (with --drafter mtp=DIR)
+      draft_drafter/    config.pbtxt  1/model.py 1/draft/           (with --drafter draft=DIR)
       mtp_arbiter/      config.pbtxt  1/model.py
-      mtp_proposal/     config.pbtxt  1/            (ensemble: EAGLE models ∥ ngram_drafter → mtp_arbiter)
+      mtp_proposal/     config.pbtxt  1/            (ensemble: the served drafters in parallel → mtp_arbiter)
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from specserve.text_gate import DEFAULT_DFLASH_TYPES
@@ -193,18 +196,15 @@ def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
         render_tier(tier, params[schema.PREPROCESS.name], repo)
     if settings.text_classifier is not None:
         render_text_classifier(Path(settings.text_classifier), repo, version=1)
-    # Below, only drafters with remote models: mtp's own (the MTP heads) runs fused in either
-    # placement (remote_mtp.py).
-    settings = replace(settings, drafters=tuple((m, f) for m, f in settings.drafters if m != "mtp"))
     if settings.placement == "remote":
         for method, folder in settings.drafters:
-            if method in FUSED_ONLY:
-                continue  # runs inside the engine in either placement (factory.FUSED_ONLY)
+            if method in FUSED_ONLY or method == "mtp":
+                continue  # runs inside the engine in either placement (factory.FUSED_ONLY); mtp below
             render_eagle_proposal(Path(settings.checkpoint), Path(folder), repo, version=1,
                                   backend=settings.drafter_backend, max_num_seqs=settings.max_num_seqs,
                                   max_draft_len=settings.max_draft_len)
-        if (repo / schema.EAGLE_PROPOSAL.name).is_dir():   # mtp is served wherever EAGLE is
-            render_mtp_proposal(repo)
+        if (repo / schema.EAGLE_PROPOSAL.name).is_dir():   # remote mtp is served wherever remote EAGLE is
+            render_mtp_proposal(settings, repo)
     return repo
 
 
@@ -234,16 +234,63 @@ def render_text_classifier(folder: Path, repo: Path, *, version: int) -> None:
     for name in (MODEL_FILE, CONFIG_FILE):
         shutil.copy2(folder / name, vdir / name)
     (repo / spec.name / "config.pbtxt").write_text(python_model_config(spec, {}))
-def render_mtp_proposal(repo: Path) -> None:
-    """ngram_drafter and mtp_arbiter (stateless Python models) and the mtp_proposal ensemble,
-    which reuses the EAGLE models render_eagle_proposal wrote."""
-    proposal, steps = schema.REMOTE_PROPOSALS[schema.MTP_PROPOSAL.name]
+
+
+def render_mtp_proposal(settings: RepositorySettings, repo: Path) -> None:
+    """mtp_proposal and its own models: ngram_drafter and mtp_arbiter always, mtp_heads and
+    draft_drafter where their weights are served (factory.mtp_subproposers, as the engine's
+    remote mtp); the EAGLE models are render_eagle_proposal's."""
+    from specserve.triton.factory import MTP_SUBPROPOSERS, mtp_subproposers
+
+    served = mtp_subproposers(settings.drafters)
+    folders = {sub: Path(dict(settings.drafters)[m]) for sub, m in MTP_SUBPROPOSERS.items() if m and sub in served}
+    steps = schema.mtp_proposal_steps(served)
     for spec in (schema.NGRAM_DRAFTER, schema.MTP_ARBITER):
         (repo / spec.name / "1").mkdir(parents=True, exist_ok=True)
         shutil.copy2(TEMPLATES / spec.name / "1" / "model.py", repo / spec.name / "1" / "model.py")
         (repo / spec.name / "config.pbtxt").write_text(python_model_config(spec, {}))
-    (repo / proposal.name / "1").mkdir(parents=True, exist_ok=True)
-    (repo / proposal.name / "config.pbtxt").write_text(ensemble_config(proposal, steps))
+    if "mtp_heads" in folders:
+        render_mtp_heads(Path(settings.checkpoint), folders["mtp_heads"], repo, version=1)
+    if "draft" in folders:
+        render_draft_drafter(settings, folders["draft"], repo, version=1)
+    (repo / schema.MTP_PROPOSAL.name / "1").mkdir(parents=True, exist_ok=True)
+    (repo / schema.MTP_PROPOSAL.name / "config.pbtxt").write_text(ensemble_config(schema.MTP_PROPOSAL, steps))
+
+
+def _template(spec: ModelSpec, repo: Path, version: int) -> Path:
+    vdir = repo / spec.name / str(version)
+    vdir.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(TEMPLATES / spec.name / "1" / "model.py", vdir / "model.py")
+    return vdir
+
+
+def render_mtp_heads(checkpoint: Path, folder: Path, repo: Path, *, version: int) -> None:
+    """Version `version` of mtp_heads: the heads in `folder` (checked against the target) exported
+    to ONNX in fp32 with the target's LM head embedded (mtp.export_mtp_onnx)."""
+    from specserve.model import load_model
+    from specserve.proposers.mtp import export_mtp_onnx, load_mtp_heads
+
+    heads = load_mtp_heads(folder, load_model(checkpoint))
+    export_mtp_onnx(heads, _template(schema.MTP_HEADS, repo, version) / "mtp_heads.onnx")
+    (repo / schema.MTP_HEADS.name / "config.pbtxt").write_text(python_model_config(schema.MTP_HEADS, {}))
+
+
+def render_draft_drafter(settings: RepositorySettings, folder: Path, repo: Path, *, version: int) -> None:
+    """Version `version` of draft_drafter: a copy of the draft model's folder (its config, weights
+    and tokenizer), refused here already when its tokenizer does not give the target's ids."""
+    from specserve.proposers.draft_model import check_tokenizer
+    from specserve.triton.tokenizer import load_tokenizer
+
+    check_tokenizer(load_tokenizer(settings.checkpoint), load_tokenizer(folder))
+    dest = _template(schema.DRAFT_DRAFTER, repo, version) / "draft"
+    dest.mkdir(exist_ok=True)
+    for f in sorted(Path(folder).iterdir()):
+        if f.is_file() and f.suffix in (".json", ".safetensors"):
+            shutil.copy2(f, dest / f.name)
+    params = {"checkpoint": str(Path(settings.checkpoint).resolve()), "max_num_seqs": settings.max_num_seqs,
+              "max_model_len": settings.max_model_len, "max_draft_len": settings.max_draft_len,
+              "drafter_dtype": settings.drafter_dtype, "device": settings.device}
+    (repo / schema.DRAFT_DRAFTER.name / "config.pbtxt").write_text(python_model_config(schema.DRAFT_DRAFTER, params))
 
 
 def tier_parameters(preprocess_params: dict[str, object], tier: Tier) -> dict[str, object]:

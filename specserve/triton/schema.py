@@ -156,31 +156,61 @@ CALIBRATION_HEAD = ModelSpec("calibration_head", (DRAFT_HIDDEN, DRAFT_SCALARS), 
 EAGLE_PROPOSAL = ModelSpec("eagle_proposal", _DRAFT_IN, (DRAFT_TOKENS, ACCEPT_PROB, UNKNOWN))
 EAGLE_PROPOSAL_STEPS = (EAGLE_BACKBONE, CALIBRATION_HEAD)
 
-# mtp_proposal = ensemble(eagle_backbone → calibration_head ∥ ngram_drafter → mtp_arbiter): the
-# drafters run in parallel and the arbiter merges their drafts into one tree per row
-# (specserve/proposers/remote_mtp.py). Besides EAGLE's inputs the engine sends each row's tokens
-# (for n-gram lookup), its tree budget, its proposer set (bit i = multi_draft.SUBPROPOSERS[i]) and
-# its calibration threshold; it gets back a tree: tokens, parents (-1 = child of the pending
-# token) and per node the proposers whose candidate passes through it (same bits), -1 padded.
+# mtp_proposal = ensemble(eagle_backbone → calibration_head ∥ mtp_heads ∥ draft_drafter ∥ ngram_drafter
+# → mtp_arbiter): the drafters run in parallel and the arbiter merges their drafts into one tree per
+# row (specserve/proposers/remote_mtp.py). Besides EAGLE's inputs the engine sends each row's tokens
+# (for n-gram lookup and the draft model), its tree budget, its proposer set (bit i =
+# multi_draft.SUBPROPOSERS[i]) and its calibration threshold; it gets back a tree: tokens, parents
+# (-1 = child of the pending token) and per node the proposers whose candidate passes through it
+# (same bits), -1 padded. mtp_heads and draft_drafter are members only where their weights are
+# served (render.render_mtp_proposal; MTP_DRAFTERS below).
 CONTEXT_TOKENS = TensorSpec("context_tokens", "INT64", (-1, -1))   # [B, L], -1 padded
 TREE_BUDGET = TensorSpec("tree_budget", "INT64", (-1,))
 PROPOSER_MASK = TensorSpec("proposer_mask", "INT64", (-1,))
 ROW_THRESHOLD = TensorSpec("row_threshold", "FP32", (-1,))          # 0: no calibration cut
 NGRAM_TOKENS = TensorSpec("ngram_tokens", "INT64", (-1, -1))       # [B, K], -1 padded
+# The MTP heads' and the draft model's chains, with the log-probability each gave its token
+# (the fused proposers' Draft.probs read back as log q(token)); [B, K], -1 / 0 padded.
+HEADS_TOKENS = TensorSpec("heads_tokens", "INT64", (-1, -1))
+HEADS_LOGPROBS = TensorSpec("heads_logprobs", "FP32", (-1, -1))
+DRAFT_MODEL_TOKENS = TensorSpec("draft_model_tokens", "INT64", (-1, -1))
+DRAFT_MODEL_LOGPROBS = TensorSpec("draft_model_logprobs", "FP32", (-1, -1))
 TREE_TOKENS = TensorSpec("tree_tokens", "INT64", (-1, -1))         # [B, N], -1 padded
 TREE_PARENTS = TensorSpec("tree_parents", "INT64", (-1, -1))
 TREE_SOURCES = TensorSpec("tree_sources", "INT64", (-1, -1))
 
 NGRAM_DRAFTER = ModelSpec("ngram_drafter", (CONTEXT_TOKENS, MAX_DRAFT_LEN), (NGRAM_TOKENS,))
+# Stateless: the last of each row's new feature rows is the target's f_t (features[b, num_new[b]-1]).
+MTP_HEADS = ModelSpec("mtp_heads", (FEATURES, NUM_NEW, MAX_DRAFT_LEN), (HEADS_TOKENS, HEADS_LOGPROBS))
+# The draft model's KV cache per sequence (keyed by seq_ids), brought up to each row's
+# context_tokens every call, so it needs no re-priming; release_ids alone frees sequences.
+DRAFT_DRAFTER = ModelSpec("draft_drafter", tuple(replace(t, optional=True) for t in (SEQ_IDS, CONTEXT_TOKENS, MAX_DRAFT_LEN))
+                          + (RELEASE_IDS,), (DRAFT_MODEL_TOKENS, DRAFT_MODEL_LOGPROBS))
 TREE_SETTINGS = (TREE_BUDGET, PROPOSER_MASK, ROW_THRESHOLD)
 # The drafters' outputs are optional: when the ensemble fails (a drafter unloaded), the engine
 # calls the drafters that are still loaded one by one and the arbiter with what they returned.
 MTP_ARBITER = ModelSpec("mtp_arbiter", tuple(replace(t, optional=True) for t in
-                                             (DRAFT_TOKENS, DRAFT_SCALARS, ACCEPT_PROB, NGRAM_TOKENS)) + TREE_SETTINGS,
-                        (TREE_TOKENS, TREE_PARENTS, TREE_SOURCES))
+                                             (DRAFT_TOKENS, DRAFT_SCALARS, ACCEPT_PROB, NGRAM_TOKENS, HEADS_TOKENS,
+                                              HEADS_LOGPROBS, DRAFT_MODEL_TOKENS, DRAFT_MODEL_LOGPROBS))
+                        + TREE_SETTINGS, (TREE_TOKENS, TREE_PARENTS, TREE_SOURCES))
 MTP_PROPOSAL = ModelSpec("mtp_proposal", _DRAFT_IN + (CONTEXT_TOKENS,) + TREE_SETTINGS,
                          (TREE_TOKENS, TREE_PARENTS, TREE_SOURCES, UNKNOWN))
-MTP_PROPOSAL_STEPS = (EAGLE_BACKBONE, CALIBRATION_HEAD, NGRAM_DRAFTER, MTP_ARBITER)
+# Each mtp sub-proposer (keys: multi_draft.SUBPROPOSERS, checked in remote_mtp) → its drafter
+# models in mtp_proposal, in call order; a sub-proposer is a member where it is served.
+MTP_DRAFTERS: dict[str, tuple[ModelSpec, ...]] = {
+    "mtp_heads": (MTP_HEADS,), "eagle": (EAGLE_BACKBONE, CALIBRATION_HEAD), "draft": (DRAFT_DRAFTER,),
+    "ngram": (NGRAM_DRAFTER,)}
+# Every model mtp_proposal may have (what `specserve drafters` may load / unload).
+MTP_PROPOSAL_STEPS = (*(m for models in MTP_DRAFTERS.values() for m in models), MTP_ARBITER)
+
+
+def mtp_proposal_steps(served: tuple[str, ...] | list[str]) -> tuple[ModelSpec, ...]:
+    """The ensemble's steps for the served sub-proposers (unknown names refused)."""
+    unknown = [n for n in served if n not in MTP_DRAFTERS]
+    if unknown:
+        raise ValueError(f"mtp_proposal: no drafter models for {unknown}; known: {', '.join(MTP_DRAFTERS)}")
+    return (*(m for n, models in MTP_DRAFTERS.items() if n in served for m in models), MTP_ARBITER)
+
 
 # Every remote proposal model (hot-loadable through `specserve drafters`): the proposal ensemble
 # and the models it is made of, registered once here; drafters.py and the renderer derive from it.
