@@ -1,14 +1,16 @@
 """MTP multi-draft through Triton, against none and EAGLE, on clean and typo'd held-out prompts.
 
-Part 1 (through Triton; one tritonserver, drafters FUSED in the engine; remote_mtp.py is the
-remote placement, which merges the same four drafters). Greedy, one request at a time, every
-configuration on every prompt in an order rotated per prompt, clean and typo'd sets alternated:
+Part 1 (through Triton; one tritonserver per mtp placement, --mtp-placements remote,fused, both
+started at once, EAGLE fused in each, as served by default). Greedy, one request at a time, every
+configuration on every prompt in an order rotated per prompt, the prompt sets alternated:
 
-    none      plain decoding
-    eagle     EAGLE + calibration head (threshold 0.3)
-    draft     the draft model alone (the `draft` method)
-    mtp       every served sub-proposer (MTP heads, EAGLE, draft model, n-gram), tree budget 16
-    mtp_fast  mtp without the draft model (mtp_proposers: mtp_heads, eagle, ngram)
+    none        plain decoding
+    eagle       EAGLE + calibration head (threshold 0.3), fused
+    draft       the draft model alone (the `draft` method)
+    mtp         every served sub-proposer (MTP heads, EAGLE, draft model, n-gram), tree budget 16,
+                in the first placement (remote: the mtp_proposal ensemble, drafters in parallel)
+    mtp_fast    mtp without the draft model (mtp_proposers: mtp_heads, eagle, ngram)
+    mtp_fused, mtp_fast_fused   the same on the second server (mtp's drafters in the engine)
 
 The typo'd set is docs/mtp/typo_prompts.jsonl (benchmarks/make_typo_prompts.py, seeded: ≥ 3
 typos per prompt). Per configuration and set: mean acceptance length, tokens/s, speedup over
@@ -85,25 +87,36 @@ def triton_part(args, sets: dict[str, list[str]]) -> dict:
     from specserve.triton.launch import TritonServer
     from specserve.triton.render import RepositorySettings, render_repository
 
+    # One server per mtp placement, started together, EAGLE fused in each (its default); none,
+    # eagle and draft run on the first, mtp and mtp_fast on each (suffixed _fused on a fused one).
+    placements = args.mtp_placements.split(",")
     work = Path(tempfile.mkdtemp(prefix="mtp-bench-"))
-    repo = render_repository(RepositorySettings(DEMO / "target", max_num_seqs=2, max_model_len=1024,
-                                                max_draft_len=args.max_draft_len, default_method="none",
-                                                drafters=tuple((m, str(f)) for m, f in DRAFTERS),
-                                                placement=args.placement, spec_threshold=0.3), work / "model_repository")
-    srv = TritonServer(repo, work, None, log_file=work / "tritonserver.log").start()
-    configs = list(CONFIGS)
+    servers = {}
+    for p in placements:
+        repo = render_repository(RepositorySettings(DEMO / "target", max_num_seqs=2, max_model_len=1024,
+                                                    max_draft_len=args.max_draft_len, default_method="none",
+                                                    drafters=tuple((m, str(f)) for m, f in DRAFTERS),
+                                                    mtp_placement=p, spec_threshold=0.3), work / p / "model_repository")
+        servers[p] = TritonServer(repo, work / p, None, log_file=work / p / "tritonserver.log").start()
+    where = {c: placements[0] for c in CONFIGS}
+    params = dict(CONFIGS)
+    for p in placements[1:]:
+        for c in ("mtp", "mtp_fast"):
+            where[f"{c}_{p}"], params[f"{c}_{p}"] = p, CONFIGS[c]
+    configs = list(params)
     tallies = {s: {c: Tally() for c in configs} for s in SETS}
     credits = {s: {c: {} for c in configs} for s in SETS}
     try:
-        srv.wait_ready(600)
-        client = StreamClient(srv.grpc_url)
+        for srv in servers.values():
+            srv.wait_ready(600)
+        clients = {p: StreamClient(srv.grpc_url) for p, srv in servers.items()}
         for c in configs * 2:   # warm-up, not timed
-            client.generate(sets["clean"][0], {"max_tokens": 16, "temperature": 0, **CONFIGS[c]})
+            clients[where[c]].generate(sets["clean"][0], {"max_tokens": 16, "temperature": 0, **params[c]})
         runs = [(i, s, c) for i in range(len(sets["clean"])) for s in SETS
                 for c in configs[i % len(configs):] + configs[:i % len(configs)]]
         for i, s, c in tqdm(runs, desc="requests", unit="req"):
-            out = client.generate(sets[s][i], {"max_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True,
-                                               **CONFIGS[c]})
+            out = clients[where[c]].generate(sets[s][i], {"max_tokens": args.new_tokens, "temperature": 0,
+                                                          "ignore_eos": True, **params[c]})
             st = out.spec_stats
             if out.finish_reason != "length" or st.get("proposer_errors") or st.get("proposer_skipped"):
                 raise SystemExit(f"{c} {s} prompt {i}: finish {out.finish_reason}, stats {st}")
@@ -111,7 +124,8 @@ def triton_part(args, sets: dict[str, list[str]]) -> dict:
             for k, n in st.get("accepted_by_proposer", {}).items():
                 credits[s][c][k] = credits[s][c].get(k, 0) + n
     finally:
-        srv.stop()
+        for srv in servers.values():
+            srv.stop()
     for s in SETS:
         for c in configs:
             if tallies[s][c].texts != tallies[s]["none"].texts:
@@ -232,8 +246,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-draft-len", type=int, default=16, help="the server's (= mtp's default tree budget)")
     ap.add_argument("--sweep-prompts", type=int, default=8, help="prompts for the in-process part")
     ap.add_argument("--skip-triton", action="store_true")
-    ap.add_argument("--placement", choices=("fused", "remote"), default="fused",
-                    help="where the server runs the drafters in the Triton part")
+    ap.add_argument("--mtp-placements", default="remote,fused",
+                    help="mtp placements compared through Triton, one server each (EAGLE fused in all); "
+                         "the first also serves none, eagle and draft")
     ap.add_argument("--in-process", choices=("all", "robustness", "none"), default="all",
                     help="which in-process parts run: all (budget and proposer sweeps + robustness), "
                          "robustness only, or none")
@@ -253,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     if "triton" in result:
         for s in SETS:
-            print(f"\n{s} prompts (through Triton, fused drafters)")
+            print(f"\n{s} prompts (through Triton)")
             print("| config | tok/s | speedup vs none | mean acceptance length | draft tok/step | step ms | draft ms | "
                   "verify ms | share of accepted tokens |")
             print("|---|---|---|---|---|---|---|---|---|")
@@ -266,8 +281,9 @@ def main(argv: list[str] | None = None) -> dict:
         goals = {"mtp_vs_eagle_acceptance_clean": round(al["clean"]["mtp"] / al["clean"]["eagle"], 3),
                  **{f"{c}_acceptance_drop_{s}": round(1 - al[s][c] / al["clean"][c], 3)
                     for s in SETS[1:] for c in ("eagle", "mtp", "mtp_fast")},
-                 "mtp_vs_eagle_speedup_clean": round(t["clean"]["mtp"]["speedup_vs_none"] / t["clean"]["eagle"]["speedup_vs_none"], 3),
-                 "mtp_fast_vs_eagle_speedup_clean": round(t["clean"]["mtp_fast"]["speedup_vs_none"] / t["clean"]["eagle"]["speedup_vs_none"], 3)}
+                 **{f"{c}_vs_eagle_speedup_clean": round(t["clean"][c]["speedup_vs_none"]
+                                                         / t["clean"]["eagle"]["speedup_vs_none"], 3)
+                    for c in t["clean"] if c.startswith("mtp")}}
         result["goals"] = goals
         print()
         print(goal_line("mtp / eagle mean acceptance length, clean", goals["mtp_vs_eagle_acceptance_clean"], 1.15, "×"))
@@ -275,8 +291,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"acceptance length drop on the {s} prompts: mtp {goals[f'mtp_acceptance_drop_{s}']:.1%}, "
                   f"mtp_fast {goals[f'mtp_fast_acceptance_drop_{s}']:.1%}, "
                   f"eagle {goals[f'eagle_acceptance_drop_{s}']:.1%} (goal: mtp's smaller)")
-        print(goal_line("mtp speedup / eagle speedup, clean", goals["mtp_vs_eagle_speedup_clean"], 1.0, "×"))
-        print(goal_line("mtp_fast speedup / eagle speedup, clean", goals["mtp_fast_vs_eagle_speedup_clean"], 1.0, "×"))
+        for c in (c for c in t["clean"] if c.startswith("mtp")):
+            print(goal_line(f"{c} speedup / eagle speedup, clean", goals[f"{c}_vs_eagle_speedup_clean"], 1.0, "×"))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

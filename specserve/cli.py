@@ -53,6 +53,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--placement", choices=("fused", "remote"), default="fused",
                    help="drafters inside the engine (fused) or as hot-loadable Triton models (remote, "
                         "server in explicit model-control mode; see `specserve drafters`)")
+    p.add_argument("--mtp-placement", choices=("fused", "remote"), default="remote",
+                   help="where mtp's drafters run: remote (the mtp_proposal ensemble: each drafter a hot-loadable "
+                        "Triton model, all in parallel; needs an EAGLE drafter, else mtp runs fused) or fused "
+                        "(one after another inside the engine)")
     p.add_argument("--spec-threshold", type=float, default=0.3,
                    help="EAGLE stops drafting when the calibration head's predicted cumulative "
                         "acceptance falls below this, DFlash when the product of its top-1 probabilities "
@@ -276,7 +280,8 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
     settings = RepositorySettings(args.target, max_num_seqs=args.max_num_seqs, max_model_len=max_len,
                                   max_draft_len=args.max_draft_len,
                                   default_method=args.default_method, drafters=drafters,
-                                  placement=args.placement, spec_threshold=args.spec_threshold,
+                                  placement=args.placement, mtp_placement=args.mtp_placement,
+                                  spec_threshold=args.spec_threshold,
                                   dtype=args.dtype, drafter_dtype=args.drafter_dtype, device=args.device,
                                   max_queue_len=args.max_queue_len, draft_policy=args.draft_policy,
                                   tiers=args.tier_list, drafter_backend=args.drafter_backend,
@@ -306,11 +311,15 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
     signal.signal(signal.SIGTERM, _interrupt)
     print(f"specserve: serving {args.target} (max_model_len={max_len}, max_num_seqs={args.max_num_seqs}, "
           f"methods: {', '.join(methods)}; default {args.default_method}; {args.dtype} on {args.device}) from {repo}", flush=True)
-    from specserve.triton.factory import FUSED_ONLY
+    from specserve.triton.factory import FUSED_ONLY, mtp_runs_remote, mtp_subproposers
 
     for method, folder in drafters:
         where = "fused: no remote export" if method in FUSED_ONLY and args.placement == "remote" else args.placement
         print(f"specserve: drafter {method} from {folder} ({where})", flush=True)
+    if "mtp" in methods:
+        where = ("remote: the mtp_proposal ensemble" if mtp_runs_remote(args.mtp_placement, drafters)
+                 else "fused" + (" (remote needs an EAGLE drafter)" if args.mtp_placement == "remote" else ""))
+        print(f"specserve: mtp merges {', '.join(mtp_subproposers(drafters))} ({where})", flush=True)
     # One try around everything after start: a signal can arrive at any point (even between
     # "ready" and the wait), and every exit path must take tritonserver down with us.
     try:

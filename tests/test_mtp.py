@@ -5,6 +5,8 @@ shown to fail), sub-proposer failures and rollback, per-request options."""
 from __future__ import annotations
 
 import json
+import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -533,3 +535,49 @@ def test_remote_mtp_credits_the_demo_heads_and_draft_model(tmp_path):
         for k, v in out["mtp"][f"mtp{i}"].stats.accepted_by_proposer.items():
             credited[k] = credited.get(k, 0) + v
     assert credited.get("mtp_heads", 0) > 0 and credited.get("draft", 0) > 0, credited
+
+
+def test_mtp_runs_remote_by_default_whatever_eagles_placement(tmp_path, monkeypatch):
+    """mtp's placement is its own (default remote): with EAGLE fused, the repository still has
+    mtp_proposal and the EAGLE models it reuses, and the engine's mtp is the remote proposer while
+    its eagle stays fused; --mtp-placement fused renders none of them. Remote needs an EAGLE drafter."""
+    from specserve.proposers.eagle import save_eagle
+    from specserve.proposers.remote_mtp import RemoteMTPProposer
+    from specserve.triton.factory import build_engine, mtp_runs_remote
+    from specserve.triton.render import RepositorySettings, render_repository, verifier_settings
+
+    from tokenizers import Tokenizer
+
+    from specserve.tiny import train_tiny_tokenizer
+
+    target_path = tmp_path / "ckpt"
+    train_tiny_tokenizer(target_path)
+    make_tiny_checkpoint(target_path, "llama", seed=3, max_position_embeddings=256,
+                         vocab_size=Tokenizer.from_file(str(target_path / "tokenizer.json")).get_vocab_size())
+    target = load_model(target_path)
+    save_eagle(random_drafter(target, seed=5), json.loads((target_path / "config.json").read_text()), tmp_path / "eagle")
+    drafted = (("eagle", str(tmp_path / "eagle")),)
+    assert mtp_runs_remote("remote", drafted) and not mtp_runs_remote("fused", drafted)
+    assert not mtp_runs_remote("remote", ())                      # mtp is not served
+    assert not mtp_runs_remote("remote", (("draft", "d"),))       # no EAGLE drafter: mtp runs fused
+    with pytest.raises(ValueError) as e:
+        mtp_runs_remote("cloud", drafted)
+    assert str(e.value) == "mtp placement must be one of fused, remote, got 'cloud'"
+    remote_models = {"mtp_proposal", "ngram_drafter", "mtp_arbiter", "eagle_backbone", "calibration_head"}
+    for mtp_placement in ("remote", "fused"):
+        repo = render_repository(RepositorySettings(target_path, max_model_len=128, drafters=drafted,
+                                                    mtp_placement=mtp_placement), tmp_path / mtp_placement)
+        names = {p.name for p in repo.iterdir()}
+        assert names & remote_models == (remote_models if mtp_placement == "remote" else set()), names
+        from google.protobuf import text_format
+        from tritonclient.grpc import model_config_pb2
+
+        cfg = text_format.Parse((repo / "target_verifier" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+        settings = verifier_settings({k: v.string_value for k, v in cfg.parameters.items()})
+        assert (settings.placement, settings.mtp_placement) == ("fused", mtp_placement)
+        # bls imports the Python backend's module, which exists only inside tritonserver: building
+        # the proposer needs only its name (the calls are made while serving).
+        monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
+        engine, _ = build_engine(settings)
+        assert isinstance(engine.proposers["eagle"], EagleProposer)
+        assert isinstance(engine.proposers["mtp"], RemoteMTPProposer) == (mtp_placement == "remote")

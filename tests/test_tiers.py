@@ -198,13 +198,15 @@ def test_the_verifiers_settings_survive_rendering(tmp_path):
 
     settings = RepositorySettings(DEMO, max_num_seqs=3, max_model_len=256, max_draft_len=15, default_method="ngram",
                                   drafters=(("dflash", str(DEMO.parent / "dflash")),), spec_threshold=None,
-                                  max_queue_len=7, draft_policy="adaptive", block_size=16, internal_key="k")
+                                  max_queue_len=7, draft_policy="adaptive", block_size=16, mtp_placement="fused",
+                                  internal_key="k")
     repo = render_repository(settings, tmp_path / "repo")
     params = {k: v.string_value for k, v in _parse(repo / "target_verifier" / "config.pbtxt").parameters.items()}
     got = verifier_settings(params)
     assert (got.max_num_seqs, got.max_model_len, got.max_draft_len, got.default_method) == (3, 256, 15, "ngram")
     assert got.drafters == (("dflash", str((DEMO.parent / "dflash").resolve())),)
     assert (got.spec_threshold, got.max_queue_len, got.draft_policy, got.block_size) == (None, 7, "adaptive", 16)
+    assert (got.placement, got.mtp_placement) == ("fused", "fused")
     assert verifier_settings({**params, "block_size": ""}).block_size is None
 
 

@@ -54,7 +54,7 @@ def start_server(tmp_path_factory, placement: str):
     drafted = (("eagle", str(root / "eagle")), ("mtp", str(root / "mtp")), ("draft", str(root / "draft")))
     repo = render_repository(RepositorySettings(ckpt, max_num_seqs=16, max_model_len=256, max_draft_len=4,
                                                 default_method="eagle", drafters=drafted,
-                                                placement=placement, spec_threshold=None),
+                                                placement=placement, mtp_placement=placement, spec_threshold=None),
                              root / "model_repository")
     extra = ["--model-control-mode=explicit", "--load-model=*"] if placement == "remote" else []
     srv = TritonServer(repo, root, None, log_file=root / "tritonserver.log", exit_timeout_s=5,

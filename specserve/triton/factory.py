@@ -11,11 +11,14 @@ engine process, torch) and "remote" (the exported ONNX drafter runs in the Trito
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from specserve.triton.tokenizer import load_tokenizer, make_decode
+
+log = logging.getLogger("specserve.factory")
 
 if TYPE_CHECKING:
     from specserve.proposers.base import Proposer
@@ -78,7 +81,11 @@ class EngineSettings:
     max_draft_len: int = 8
     default_method: str = "none"
     drafters: tuple[tuple[str, str], ...] = ()  # (method, drafter folder), e.g. ("eagle", "models/demo/eagle")
-    placement: str = "fused"                    # where drafters run: "fused" or "remote"
+    placement: str = "fused"                    # where EAGLE's drafter runs: "fused" or "remote"
+    # Where mtp's drafters run: "remote" (the default): the mtp_proposal ensemble, every drafter a
+    # Triton model of its own, in parallel; it needs a served EAGLE drafter (the ensemble's EAGLE
+    # models), else mtp runs fused. "fused": one after another in the engine (mtp_runs_remote).
+    mtp_placement: str = "remote"
     spec_threshold: float | None = 0.3          # calibration-head stop threshold (None: fixed length)
     # Compute dtype of the target. float32 is exact: spec output equals plain
     # decoding token for token. bfloat16 is faster on CPUs with bf16 matmuls (demo model through
@@ -116,6 +123,14 @@ def mtp_subproposers(drafters: tuple[tuple[str, str], ...]) -> list[str]:
     """The sub-proposers `mtp` merges in a deployment with these drafters (MTP_SUBPROPOSERS order)."""
     served = {m for m, _ in drafters}
     return [sub for sub, m in MTP_SUBPROPOSERS.items() if m is None or m in served]
+
+
+def mtp_runs_remote(mtp_placement: str, drafters: tuple[tuple[str, str], ...]) -> bool:
+    """Whether mtp runs as the mtp_proposal ensemble: its placement is remote, mtp is served, and
+    so is an EAGLE drafter (the ensemble's EAGLE models). The renderer and the engine both ask."""
+    if mtp_placement not in PLACEMENTS:
+        raise ValueError(f"mtp placement must be one of {', '.join(PLACEMENTS)}, got {mtp_placement!r}")
+    return mtp_placement == "remote" and "mtp" in served_methods(drafters) and any(m == "eagle" for m, _ in drafters)
 
 
 def served_methods(drafters: tuple[tuple[str, str], ...]) -> list[str]:
@@ -169,13 +184,17 @@ def _mtp_heads(folder: str, model, settings: EngineSettings) -> "Proposer":
 
 def _mtp(proposers: dict, folder: str | None, model, settings: EngineSettings) -> "Proposer":
     """The `mtp` method over every served sub-proposer, sharing the served methods' instances.
-    Remote placement runs it as the mtp_proposal ensemble (all of them; remote_mtp.py); a
-    deployment without a remote EAGLE has no such ensemble, and runs mtp fused, as the draft model."""
+    Remote placement (settings.mtp_placement, the default) runs it as the mtp_proposal ensemble (all
+    of them; remote_mtp.py); a deployment without an EAGLE drafter has no such ensemble, and runs
+    mtp fused, as the draft model (said in the log)."""
     from specserve.proposers.multi_draft import MultiDraftProposer
 
-    if settings.placement == "remote" and "eagle" in proposers:
+    if mtp_runs_remote(settings.mtp_placement, settings.drafters):
         from specserve.proposers.remote_mtp import remote_mtp
         return remote_mtp(settings, mtp_subproposers(settings.drafters))
+    if settings.mtp_placement == "remote":
+        log.warning("mtp runs fused: its remote placement needs an EAGLE drafter (mtp_proposal's EAGLE models), "
+                    "and none is served")
     subs = [proposers[m] for sub, m in MTP_SUBPROPOSERS.items() if m and sub != "mtp_heads" and m in proposers]
     subs.append(proposers["ngram"])
     if folder:

@@ -40,7 +40,7 @@ from pathlib import Path
 from specserve.text_gate import DEFAULT_DFLASH_TYPES
 from specserve.triton import schema
 from specserve.triton.auth import new_key
-from specserve.triton.factory import FUSED_ONLY, EngineSettings
+from specserve.triton.factory import FUSED_ONLY, EngineSettings, mtp_runs_remote
 from specserve.triton.schema import ModelSpec, TensorSpec
 from specserve.triton.tiers import Tier
 
@@ -57,6 +57,7 @@ class RepositorySettings:
     tier: str = "default"
     drafters: tuple[tuple[str, str], ...] = ()  # (method, drafter folder)
     placement: str = "fused"
+    mtp_placement: str = "remote"   # EngineSettings.mtp_placement
     spec_threshold: float | None = 0.3
     dtype: str = "float32"
     drafter_dtype: str = "auto"
@@ -95,7 +96,8 @@ def verifier_settings(p: dict[str, str]) -> EngineSettings:
     return EngineSettings(checkpoint=Path(p["checkpoint"]), max_num_seqs=int(p["max_num_seqs"]),
                           max_model_len=int(p["max_model_len"]), max_draft_len=int(p["max_draft_len"]),
                           default_method=p["default_method"], drafters=decode_drafters(p.get("drafters", "")),
-                          placement=p.get("placement", "fused"), dtype=p.get("dtype", "float32"),
+                          placement=p.get("placement", "fused"), mtp_placement=p.get("mtp_placement", "remote"),
+                          dtype=p.get("dtype", "float32"),
                           drafter_dtype=p.get("drafter_dtype", "auto"), device=p.get("device", "auto"),
                           spec_threshold=float(p["spec_threshold"]) if p.get("spec_threshold") else None,
                           max_queue_len=int(p.get("max_queue_len", 128)),
@@ -171,7 +173,8 @@ def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
                                       "max_draft_len": settings.max_draft_len,
                                       "default_method": settings.default_method,
                                       "drafters": encode_drafters(settings.drafters),
-                                      "placement": settings.placement, "dtype": settings.dtype,
+                                      "placement": settings.placement,
+                                      "mtp_placement": settings.mtp_placement, "dtype": settings.dtype,
                                       "drafter_dtype": settings.drafter_dtype,
                                       "device": settings.device,
                                       "spec_threshold": "" if settings.spec_threshold is None
@@ -196,15 +199,18 @@ def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
         render_tier(tier, params[schema.PREPROCESS.name], repo)
     if settings.text_classifier is not None:
         render_text_classifier(Path(settings.text_classifier), repo, version=1)
-    if settings.placement == "remote":
+    # EAGLE's models serve remote EAGLE and remote mtp (whose ensemble reuses them), whichever
+    # placement the `eagle` method itself has.
+    remote_mtp = mtp_runs_remote(settings.mtp_placement, settings.drafters)
+    if settings.placement == "remote" or remote_mtp:
         for method, folder in settings.drafters:
             if method in FUSED_ONLY or method == "mtp":
                 continue  # runs inside the engine in either placement (factory.FUSED_ONLY); mtp below
             render_eagle_proposal(Path(settings.checkpoint), Path(folder), repo, version=1,
                                   backend=settings.drafter_backend, max_num_seqs=settings.max_num_seqs,
                                   max_draft_len=settings.max_draft_len)
-        if (repo / schema.EAGLE_PROPOSAL.name).is_dir():   # remote mtp is served wherever remote EAGLE is
-            render_mtp_proposal(settings, repo)
+    if remote_mtp:
+        render_mtp_proposal(settings, repo)
     return repo
 
 
