@@ -311,15 +311,10 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
     signal.signal(signal.SIGTERM, _interrupt)
     print(f"specserve: serving {args.target} (max_model_len={max_len}, max_num_seqs={args.max_num_seqs}, "
           f"methods: {', '.join(methods)}; default {args.default_method}; {args.dtype} on {args.device}) from {repo}", flush=True)
-    from specserve.triton.factory import FUSED_ONLY, mtp_runs_remote, mtp_subproposers
+    from specserve.triton.factory import where_drafters_run
 
-    for method, folder in drafters:
-        where = "fused: no remote export" if method in FUSED_ONLY and args.placement == "remote" else args.placement
-        print(f"specserve: drafter {method} from {folder} ({where})", flush=True)
-    if "mtp" in methods:
-        where = ("remote: the mtp_proposal ensemble" if mtp_runs_remote(args.mtp_placement, drafters)
-                 else "fused" + (" (remote needs an EAGLE drafter)" if args.mtp_placement == "remote" else ""))
-        print(f"specserve: mtp merges {', '.join(mtp_subproposers(drafters))} ({where})", flush=True)
+    for line in where_drafters_run(drafters, args.placement, args.mtp_placement):
+        print(f"specserve: {line}", flush=True)
     # One try around everything after start: a signal can arrive at any point (even between
     # "ready" and the wait), and every exit path must take tritonserver down with us.
     try:

@@ -71,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specserve demo: {e}", file=sys.stderr)
         return 2
     methods = METHODS + tuple(m for m, _ in drafters)
-    for method, folder in drafters:
-        print(f"specserve demo: drafter {method} from {folder} (fused in the engine)", flush=True)
+    from specserve.triton.factory import where_drafters_run
+
+    for line in where_drafters_run(drafters):
+        print(f"specserve demo: {line}", flush=True)
     # A folder of its own per run: demos (and test runs) may overlap, and a second server must
     # never re-render the repository or backends a running one uses.
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=WORK))

@@ -581,3 +581,19 @@ def test_mtp_runs_remote_by_default_whatever_eagles_placement(tmp_path, monkeypa
         engine, _ = build_engine(settings)
         assert isinstance(engine.proposers["eagle"], EagleProposer)
         assert isinstance(engine.proposers["mtp"], RemoteMTPProposer) == (mtp_placement == "remote")
+
+
+def test_startup_lines_say_where_each_drafter_and_mtp_run():
+    from specserve.triton.factory import where_drafters_run
+
+    demo = ROOT / "models" / "demo"
+    found = tuple((m, str(demo / m)) for m in ("eagle", "dflash", "draft", "mtp"))
+    assert where_drafters_run(found) == [
+        "drafter eagle from models/demo/eagle (fused)", "drafter dflash from models/demo/dflash (fused)",
+        "drafter draft from models/demo/draft (fused)", "drafter mtp from models/demo/mtp (remote)",
+        "mtp merges mtp_heads, eagle, draft, ngram (remote: the mtp_proposal ensemble)"]
+    assert where_drafters_run(found, "remote", "fused")[1:] == [
+        "drafter dflash from models/demo/dflash (fused: no remote export)",
+        "drafter draft from models/demo/draft (fused: no remote export)", "drafter mtp from models/demo/mtp (fused)",
+        "mtp merges mtp_heads, eagle, draft, ngram (fused)"]
+    assert where_drafters_run(found[2:3])[-1] == "mtp merges draft, ngram (fused: remote needs an EAGLE drafter)"

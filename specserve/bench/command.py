@@ -125,8 +125,10 @@ def _server(args: argparse.Namespace, checkpoint: Path | None, max_len: int, out
         drafters = resolve_drafters(Path(checkpoint), args.drafter, args.no_drafters)
     except CliError as e:
         raise SystemExit(f"specserve bench: {e}") from None
-    for method, folder in drafters:
-        log(f"bench: serving drafter {method} from {folder} (fused)")
+    from specserve.triton.factory import where_drafters_run
+
+    for line in where_drafters_run(drafters):
+        log(f"bench: serving {line}")
     work = Path(tempfile.mkdtemp(prefix="specserve-bench-"))
     try:
         repo = render_repository(RepositorySettings(checkpoint, max_num_seqs=args.max_num_seqs,

@@ -133,6 +133,26 @@ def mtp_runs_remote(mtp_placement: str, drafters: tuple[tuple[str, str], ...]) -
     return mtp_placement == "remote" and "mtp" in served_methods(drafters) and any(m == "eagle" for m, _ in drafters)
 
 
+def where_drafters_run(drafters: tuple[tuple[str, str], ...], placement: str = "fused",
+                       mtp_placement: str = "remote") -> list[str]:
+    """One line per served drafter, and one for mtp, saying where it runs (for startup logs)."""
+    from specserve.paths import shown
+
+    remote_mtp = "mtp" in served_methods(drafters) and mtp_runs_remote(mtp_placement, drafters)
+    lines = []
+    for method, folder in drafters:
+        if method == "mtp":   # the MTP heads run where mtp does
+            where = "remote" if remote_mtp else "fused"
+        else:
+            where = "fused: no remote export" if method in FUSED_ONLY and placement == "remote" else placement
+        lines.append(f"drafter {method} from {shown(folder)} ({where})")
+    if "mtp" in served_methods(drafters):
+        where = ("remote: the mtp_proposal ensemble" if remote_mtp
+                 else "fused" + (": remote needs an EAGLE drafter" if mtp_placement == "remote" else ""))
+        lines.append(f"mtp merges {', '.join(mtp_subproposers(drafters))} ({where})")
+    return lines
+
+
 def served_methods(drafters: tuple[tuple[str, str], ...]) -> list[str]:
     return ["none", *PROPOSERS, *(m for m, _ in drafters), *static_methods(drafters), *composite_methods(drafters)]
 
