@@ -51,11 +51,13 @@ dspark-bench: install
 dflash-bench: install
 	OMP_NUM_THREADS=1 flock /tmp/specserve-bench.lock $(PY) benchmarks/dflash_bench.py --prompts 8 --new-tokens 64 \
 		--concurrency 1,8 --threads 1 --out docs/dflash/bench.json
-# MTP multi-draft vs none / eagle / the draft model through Triton, clean and typo'd held-out prompts,
-# plus the in-process tree-budget and per-proposer-cost sweeps; ~15 min here. Timing runs hold the
+# MTP multi-draft, remote (the default) and fused, vs none / eagle / the draft model through Triton
+# (two servers, EAGLE fused in both), on clean, typo'd and renamed held-out prompts; ~15 min here.
+# The in-process tree-budget / per-proposer sweeps: add --in-process all. Timing runs hold the
 # shared bench lock.
 mtp-bench: install
-	flock /tmp/specserve-bench.lock $(PY) benchmarks/mtp_bench.py --prompts 16 --new-tokens 64 --out docs/mtp/bench.json
+	flock /tmp/specserve-bench.lock $(PY) benchmarks/mtp_bench.py --prompts 12 --new-tokens 64 --in-process none \
+		--out docs/mtp/bench.json
 
 # On a GPU machine (NGC PyTorch container): GPU-marked tests + the bf16 8B-shape timing table
 # into docs/gpu/. Uses the machine's CUDA torch (GPU_PY, default python3), not .venv.

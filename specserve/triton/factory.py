@@ -82,10 +82,12 @@ class EngineSettings:
     default_method: str = "none"
     drafters: tuple[tuple[str, str], ...] = ()  # (method, drafter folder), e.g. ("eagle", "models/demo/eagle")
     placement: str = "fused"                    # where EAGLE's drafter runs: "fused" or "remote"
-    # Where mtp's drafters run: "remote" (the default): the mtp_proposal ensemble, every drafter a
-    # Triton model of its own, in parallel; it needs a served EAGLE drafter (the ensemble's EAGLE
-    # models), else mtp runs fused. "fused": one after another in the engine (mtp_runs_remote).
-    mtp_placement: str = "remote"
+    # Where mtp's drafters run: "remote": the mtp_proposal ensemble, every drafter a Triton model of
+    # its own, in parallel; it needs a served EAGLE drafter (the ensemble's EAGLE models), else mtp
+    # runs fused (mtp_runs_remote). "fused": one after another in the engine. Served deployments
+    # default to remote (RepositorySettings, `serve --mtp-placement`); an engine built in process,
+    # with no Triton to call, defaults to fused.
+    mtp_placement: str = "fused"
     spec_threshold: float | None = 0.3          # calibration-head stop threshold (None: fixed length)
     # Compute dtype of the target. float32 is exact: spec output equals plain
     # decoding token for token. bfloat16 is faster on CPUs with bf16 matmuls (demo model through

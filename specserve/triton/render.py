@@ -57,7 +57,7 @@ class RepositorySettings:
     tier: str = "default"
     drafters: tuple[tuple[str, str], ...] = ()  # (method, drafter folder)
     placement: str = "fused"
-    mtp_placement: str = "remote"   # EngineSettings.mtp_placement
+    mtp_placement: str = "remote"   # EngineSettings.mtp_placement; served deployments default to remote
     spec_threshold: float | None = 0.3
     dtype: str = "float32"
     drafter_dtype: str = "auto"
