@@ -9,7 +9,7 @@ import logging
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specserve.triton.schema import TensorSpec
+from specserve.triton.schema import RELEASE_IDS, TensorSpec
 
 
 def model_parameters(args: dict) -> dict[str, str]:
@@ -25,6 +25,19 @@ def input_array(request, spec: TensorSpec) -> np.ndarray | None:
             return None
         raise ValueError(f"missing required input {spec.name!r}")
     return tensor.as_numpy()
+
+
+def release_or_inputs(request, specs: dict[str, TensorSpec], names, model: str):
+    """A stateful drafter's request (eagle_backbone, draft_drafter): (the sequence ids to release,
+    None), or (None, its inputs by name); ValueError naming what is missing, for the caller."""
+    release = input_array(request, RELEASE_IDS)
+    if release is not None:
+        return release.reshape(-1).tolist(), None
+    arrays = {n: input_array(request, specs[n]) for n in names}
+    missing = [n for n, a in arrays.items() if a is None]
+    if missing:
+        raise ValueError(f"{model} needs {', '.join(missing)} (or release_ids)")
+    return None, arrays
 
 
 def input_scalar(request, spec: TensorSpec):

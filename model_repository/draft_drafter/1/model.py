@@ -43,15 +43,11 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
-                release = pb.input_array(request, schema.RELEASE_IDS)
+                release, arrays = pb.release_or_inputs(request, SPECS, DRAFT_INPUTS, "draft_drafter")
                 if release is not None:
-                    self.service.release(release.reshape(-1).tolist())
+                    self.service.release(release)
                     responses.append(_outputs(np.zeros((0, 0)), np.zeros((0, 0))))
                     continue
-                arrays = {n: pb.input_array(request, SPECS[n]) for n in DRAFT_INPUTS}
-                missing = [n for n, a in arrays.items() if a is None]
-                if missing:
-                    raise ValueError(f"draft_drafter needs {', '.join(missing)} (or release_ids)")
                 responses.append(_outputs(*self.service.chains(*arrays.values())))
             except Exception as e:  # noqa: BLE001 — answer this request with the error, keep serving
                 responses.append(pb.error_response(f"draft_drafter: {e}"))

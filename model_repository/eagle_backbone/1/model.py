@@ -35,15 +35,11 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
-                release = pb.input_array(request, schema.RELEASE_IDS)
+                release, arrays = pb.release_or_inputs(request, SPECS, DRAFT_INPUTS, "eagle_backbone")
                 if release is not None:
-                    self.rt.release(release.reshape(-1).tolist())
+                    self.rt.release(release)
                     res = None
                 else:
-                    arrays = {n: pb.input_array(request, SPECS[n]) for n in DRAFT_INPUTS}
-                    missing = [n for n, a in arrays.items() if a is None]
-                    if missing:
-                        raise ValueError(f"eagle_backbone needs {', '.join(missing)} (or release_ids)")
                     res = self.rt.draft(DraftBatch(**arrays))
                 if res is None:
                     outs = [_out(schema.DRAFT_TOKENS, np.zeros((0, 0))), _out(schema.DRAFT_HIDDEN, np.zeros((0, 0, self.hidden))),
