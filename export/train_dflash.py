@@ -48,6 +48,7 @@ from specserve.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "export"))
+from run_checkpoint import resume, save  # noqa: E402 — the resumable checkpoint the trainers share
 from train_eagle import corpus_token_stream  # noqa: E402 — shared data helper
 
 
@@ -232,13 +233,9 @@ def main(argv: list[str] | None = None) -> None:
         opt, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / max(1, args.steps)))
     step, log_rows = 0, []
     ckpt = work / "train.pt"
-    if ckpt.is_file():
-        state = torch.load(ckpt, weights_only=False)
-        drafter.load_state_dict(state["drafter"])
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
+    state = resume(ckpt, "drafter", drafter, opt, sched)
+    if state:
         step, log_rows = state["step"], state["log"]
-        print(f"resumed from step {step}", file=sys.stderr)
     sizes = [int(b) for b in args.block_sizes.split(",")]
     stop_at = min(args.steps, args.stop_at or args.steps)
     bar = tqdm(total=args.steps, initial=step, desc="DFlash drafter", unit="step")
@@ -251,8 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         bar.update(1)
         bar.set_postfix(loss=f"{row['loss']:.3f}", top1=f"{row['top1_pos1']:.3f}", acc=f"{row['accept_len_tf']:.2f}")
         if step % args.ckpt_every == 0 or step == stop_at:
-            torch.save({"drafter": drafter.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                        "step": step, "log": log_rows}, ckpt)
+            save(ckpt, "drafter", drafter, opt, sched, step, log=log_rows)
     bar.close()
     if step < args.steps:
         print(f"stopped at step {step} of {args.steps}; rerun the same command to resume", file=sys.stderr)

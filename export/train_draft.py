@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distill_cache import DistillCache, acceptance_in_process, heldout_benchmark_prompts  # noqa: E402
+from run_checkpoint import resume, save  # noqa: E402
 
 from specserve.masks import build_mask, chain_parents  # noqa: E402
 from specserve.model import ForwardBatch, ModelConfig, Transformer, load_model  # noqa: E402
@@ -117,7 +118,6 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    t_start = time.time()
 
     target = load_model(args.target)
     train, heldout = load_cache(args.cache / "train.pt"), load_cache(args.cache / "heldout.pt")
@@ -130,14 +130,8 @@ def main(argv: list[str] | None = None) -> None:
 
     args.work_dir.mkdir(parents=True, exist_ok=True)
     ckpt, log_file = args.work_dir / "draft.pt", args.work_dir / "train_log.jsonl"
-    step, elapsed = 0, 0.0
-    if ckpt.is_file():
-        state = torch.load(ckpt, weights_only=False)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
-        step, elapsed = state["step"], state["elapsed"]
-        print(f"resumed from step {step}", file=sys.stderr)
+    state = resume(ckpt, "model", model, opt, sched)
+    step, elapsed = (state["step"], state["elapsed"]) if state else (0, 0.0)
     rows = [json.loads(x) for x in log_file.read_text().splitlines()] if log_file.is_file() else []
     log_file.write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step))
 
@@ -164,8 +158,7 @@ def main(argv: list[str] | None = None) -> None:
             bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{top1:.3f}")
             if step % args.ckpt_every == 0 or step == args.steps:
                 log.flush()
-                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                            "step": step, "elapsed": elapsed + time.time() - t0}, ckpt)
+                save(ckpt, "model", model, opt, sched, step, elapsed=elapsed + time.time() - t0)
     bar.close()
     elapsed += time.time() - t0
     model.eval().requires_grad_(False)

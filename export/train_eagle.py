@@ -45,6 +45,8 @@ from specserve.proposers.eagle import CalibrationHead, EagleDrafter, EaglePropos
 from specserve.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "export"))
+from run_checkpoint import resume, save  # noqa: E402 — the resumable checkpoint the trainers share
 
 
 # -- data ----------------------------------------------------------------------------------------
@@ -292,13 +294,9 @@ def main(argv: list[str] | None = None) -> None:
 
     step, log_rows = 0, []
     ckpt = work / "backbone.pt"
-    if ckpt.is_file():
-        state = torch.load(ckpt, weights_only=False)
-        drafter.load_state_dict(state["drafter"])
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
+    state = resume(ckpt, "drafter", drafter, opt, sched)
+    if state:
         step, log_rows = state["step"], state["log"]
-        print(f"resumed from step {step}", file=sys.stderr)
     data = batches(stream, extra, seq_len=args.seq_len, batch=args.batch, seed=args.seed)
     for _ in range(step):  # replay the data order so a resumed run sees the same batches
         next(data)
@@ -315,8 +313,7 @@ def main(argv: list[str] | None = None) -> None:
         bar.update(1)
         bar.set_postfix(reg=f"{losses.regression:.4f}", ce=f"{losses.ce:.3f}", top1=f"{losses.top1:.3f}")
         if step % args.ckpt_every == 0 or step == stop_at:
-            torch.save({"drafter": drafter.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                        "step": step, "log": log_rows}, ckpt)
+            save(ckpt, "drafter", drafter, opt, sched, step, log=log_rows)
     bar.close()
     if step < args.steps:
         print(f"stopped at step {step} of {args.steps}; rerun the same command to resume", file=sys.stderr)

@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distill_cache import DistillCache, acceptance_in_process, heldout_benchmark_prompts  # noqa: E402
+from run_checkpoint import resume, save  # noqa: E402
 
 from specserve.model import load_model  # noqa: E402
 from specserve.engine import Engine, EngineConfig, GenerationRequest  # noqa: E402
@@ -138,14 +138,8 @@ def main(argv: list[str] | None = None) -> None:
 
     args.work_dir.mkdir(parents=True, exist_ok=True)
     ckpt, log_file = args.work_dir / "mtp.pt", args.work_dir / "train_log.jsonl"
-    step, elapsed = 0, 0.0
-    if ckpt.is_file():
-        state = torch.load(ckpt, weights_only=False)
-        heads.heads.load_state_dict(state["heads"])
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
-        step, elapsed = state["step"], state["elapsed"]
-        print(f"resumed from step {step}", file=sys.stderr)
+    state = resume(ckpt, "heads", heads.heads, opt, sched)
+    step, elapsed = (state["step"], state["elapsed"]) if state else (0, 0.0)
     # The log holds exactly the steps of the checkpoint (a crash after it may have added more).
     rows = [json.loads(x) for x in log_file.read_text().splitlines()] if log_file.is_file() else []
     log_file.write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step))
@@ -174,8 +168,7 @@ def main(argv: list[str] | None = None) -> None:
             bar.set_postfix(loss=f"{loss.item():.3f}", top1="/".join(f"{x:.2f}" for x in top1.tolist()))
             if step % args.ckpt_every == 0 or step == args.steps:
                 log.flush()
-                torch.save({"heads": heads.heads.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                            "step": step, "elapsed": elapsed + time.time() - t0}, ckpt)
+                save(ckpt, "heads", heads.heads, opt, sched, step, elapsed=elapsed + time.time() - t0)
     bar.close()
     elapsed += time.time() - t0
     heads.eval()

@@ -48,3 +48,27 @@ def test_train_eagle_is_deterministic_and_resumes(tmp_path):
     assert summary["calibration_prompts"] == {"corpus_windows": 4, "serving_like": min(64, len(chunks))}
     log = (tmp_path / "straight" / "train_log.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in log] == list(range(1, 11))
+
+
+def test_the_shared_run_checkpoint_round_trips_a_run(tmp_path):
+    """export/run_checkpoint.py (every trainer's resume point): weights under the script's key,
+    optimizer, schedule, step and extras come back; no file → a fresh run."""
+    from run_checkpoint import resume, save
+
+    def run():
+        torch.manual_seed(0)
+        m = torch.nn.Linear(3, 2)
+        opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+        return m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (s + 1))
+
+    m, opt, sched = run()
+    assert resume(tmp_path / "x.pt", "heads", m, opt, sched) is None
+    m(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    sched.step()
+    save(tmp_path / "x.pt", "heads", m, opt, sched, 7, log=[{"step": 7}])
+    m2, opt2, sched2 = run()
+    state = resume(tmp_path / "x.pt", "heads", m2, opt2, sched2)
+    assert (state["step"], state["log"]) == (7, [{"step": 7}])
+    assert torch.equal(m2.weight, m.weight) and sched2.last_epoch == sched.last_epoch == 1
+    assert opt2.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
