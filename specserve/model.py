@@ -261,6 +261,15 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
+def read_drafter_weights(folder: Path, what: str) -> dict[str, torch.Tensor]:
+    """A drafter folder's model.safetensors (DFlash, MTP heads); CheckpointError naming `what`
+    when it is missing, or the file when it cannot be read."""
+    st = Path(folder) / "model.safetensors"
+    if not st.is_file():
+        raise CheckpointError(f"{what} has no model.safetensors")
+    return _read_weights([st])
+
+
 def _read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file

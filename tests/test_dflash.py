@@ -289,3 +289,22 @@ def test_block_size_option_is_checked(tmp_path, options, method, message):
     with pytest.raises(RequestRejected) as e:
         engine.check(GenerationRequest("x", [1, 2], SamplingParams(max_tokens=4), method, options=options))
     assert str(e.value) == message
+
+
+def test_missing_or_unreadable_drafter_weights_are_named(demo, tmp_path):
+    import shutil
+
+    from specserve.model import CheckpointError
+    from specserve.proposers.mtp import load_mtp_heads
+
+    target, _ = demo
+    for name, load, what in (("dflash", load_dflash, "DFlash drafter"), ("mtp", load_mtp_heads, "the MTP heads folder")):
+        folder = tmp_path / name
+        shutil.copytree(DEMO / name, folder)
+        (folder / "model.safetensors").write_bytes(b"junk")
+        with pytest.raises(CheckpointError, match=f"^cannot read weights {folder / 'model.safetensors'}: "):
+            load(folder, target)
+        (folder / "model.safetensors").unlink()
+        with pytest.raises(CheckpointError) as e:
+            load(folder, target)
+        assert str(e.value) == f"{what} {folder} has no model.safetensors"

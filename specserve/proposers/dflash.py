@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.model import CheckpointError, RMSNorm, Transformer
+from specserve.model import CheckpointError, RMSNorm, Transformer, read_drafter_weights
 from specserve.proposers.base import Draft, DraftRequest, ProposerError, StepOutcome
 from specserve.proposers.dflash_memory import MemoryView, SequenceMemory, SlotPool
 from specserve.repetition import RepetitionGuard
@@ -281,15 +281,7 @@ def load_dflash(path: str | Path, target: Transformer, dtype: torch.dtype | None
     if any(not 0 <= i < t.num_layers for i in cfg.target_layers):
         raise CheckpointError(f"DFlash drafter {path}: target_layers {cfg.target_layers} outside the "
                               f"target's {t.num_layers} layers")
-    st = path / "model.safetensors"
-    if not st.is_file():
-        raise CheckpointError(f"DFlash drafter {path} has no model.safetensors")
-    from safetensors.torch import load_file
-
-    try:
-        state = load_file(str(st))
-    except Exception as e:  # noqa: BLE001 — any unreadable file is a checkpoint error here
-        raise CheckpointError(f"cannot read DFlash weights in {path}: {e}") from None
+    state = read_drafter_weights(path, f"DFlash drafter {path}")
     drafter = DFlashDrafter(cfg)
     state = {k: v.float() for k, v in state.items()}
     missing, unexpected = drafter.load_state_dict(state, strict=False)

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.model import CheckpointError, Transformer
+from specserve.model import CheckpointError, Transformer, read_drafter_weights
 from specserve.proposers.base import Draft, DraftRequest, ProposerError, StepOutcome
 from specserve.sampling import target_probs
 
@@ -123,7 +123,7 @@ def load_mtp_heads(folder: str | Path, model: Transformer, dtype: torch.dtype | 
     """MTP heads from `folder` (config.json + model.safetensors) for the target `model`, computing
     in `dtype` (default: the target's). Refuses heads trained for another target."""
     folder = Path(folder)
-    cfg_file, st = folder / "config.json", folder / "model.safetensors"
+    cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"MTP heads {folder} have no config.json")
     try:
@@ -138,14 +138,7 @@ def load_mtp_heads(folder: str | Path, model: Transformer, dtype: torch.dtype | 
     differ = [f"{k} {getattr(cfg, k)!r} (target: {v!r})" for k, v in want.items() if getattr(cfg, k) != v]
     if differ:
         raise CheckpointError(f"MTP heads {folder} were made for another target: {', '.join(differ)}")
-    if not st.is_file():
-        raise CheckpointError(f"MTP heads {folder} have no model.safetensors")
-    from safetensors.torch import load_file
-
-    try:
-        state = load_file(str(st))
-    except Exception as e:  # noqa: BLE001 — any unreadable file is a checkpoint error here
-        raise CheckpointError(f"cannot read MTP heads {st}: {e}") from None
+    state = read_drafter_weights(folder, f"the MTP heads folder {folder}")
     dtype = dtype or model.dtype
     heads = MTPHeads(cfg, model.lm_head.weight.to(dtype))
     missing, unexpected = heads.load_state_dict(state, strict=False)
