@@ -19,6 +19,7 @@ Deterministic (seeded window choice; greedy continuations).
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import sys
@@ -150,7 +151,6 @@ def load_or_build(path: Path, target: Transformer, tokenizer, split: str, **kw) 
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
 
     from tokenizers import Tokenizer
 
@@ -181,6 +181,26 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def distilled_trainer_args(description: str, *, steps: int, batch: int, batch_help: str,
+                           ckpt_every: int) -> argparse.ArgumentParser:
+    """The flags every trainer on this cache takes (train_mtp, train_draft); each adds its own."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, required=True)
+    ap.add_argument("--cache", type=Path, required=True, help="folder with train.pt and heldout.pt")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--work-dir", type=Path, required=True)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--batch", type=int, default=batch, help=batch_help)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--ckpt-every", type=int, default=ckpt_every)
+    ap.add_argument("--accept-prompts", type=int, default=8, help="held-out benchmark prompts for the "
+                    "in-process acceptance figure (evaluation only)")
+    ap.add_argument("--accept-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    return ap
 
 
 def heldout_benchmark_prompts(tokenizer, n: int) -> list[list[int]]:

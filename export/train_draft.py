@@ -22,7 +22,6 @@ command), a tqdm bar, a jsonl log per step. The demo draft model:
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -32,7 +31,8 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distill_cache import DistillCache, acceptance_in_process, heldout_benchmark_prompts  # noqa: E402
+from distill_cache import (DistillCache, acceptance_in_process, distilled_trainer_args,  # noqa: E402
+                           heldout_benchmark_prompts)
 from run_checkpoint import resume, save  # noqa: E402
 
 from specserve.masks import build_mask, chain_parents  # noqa: E402
@@ -95,26 +95,14 @@ def agreement(model: Transformer, cache: DistillCache, *, greedy_rows_from: int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, required=True)
-    ap.add_argument("--cache", type=Path, required=True, help="folder with train.pt and heldout.pt")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--work-dir", type=Path, required=True)
+    ap = distilled_trainer_args(__doc__, steps=800, batch=16, batch_help="rows of the cache's length per step",
+                                ckpt_every=50)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--intermediate", type=int, default=768)
-    ap.add_argument("--steps", type=int, default=800)
-    ap.add_argument("--batch", type=int, default=16, help="rows of the cache's length per step")
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--ckpt-every", type=int, default=50)
-    ap.add_argument("--accept-prompts", type=int, default=8, help="held-out benchmark prompts for the "
-                    "in-process acceptance figure (evaluation only)")
-    ap.add_argument("--accept-new-tokens", type=int, default=64)
     ap.add_argument("--max-draft-len", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

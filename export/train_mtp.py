@@ -20,7 +20,6 @@ command), a tqdm bar, and a jsonl log per step. The demo heads:
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -30,7 +29,8 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distill_cache import DistillCache, acceptance_in_process, heldout_benchmark_prompts  # noqa: E402
+from distill_cache import (DistillCache, acceptance_in_process, distilled_trainer_args,  # noqa: E402
+                           heldout_benchmark_prompts)
 from run_checkpoint import resume, save  # noqa: E402
 
 from specserve.model import load_model  # noqa: E402
@@ -105,22 +105,9 @@ def evaluate(heads: MTPHeads, cache: DistillCache, k: int, *, greedy_rows_from: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, required=True)
-    ap.add_argument("--cache", type=Path, required=True, help="folder with train.pt and heldout.pt")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--work-dir", type=Path, required=True)
+    ap = distilled_trainer_args(__doc__, steps=1500, batch=512, batch_help="positions per step", ckpt_every=100)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--intermediate", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=1500)
-    ap.add_argument("--batch", type=int, default=512, help="positions per step")
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--ckpt-every", type=int, default=100)
-    ap.add_argument("--accept-prompts", type=int, default=8, help="held-out benchmark prompts for the "
-                    "in-process acceptance figure (evaluation only)")
-    ap.add_argument("--accept-new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
