@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -43,6 +46,36 @@ def make_tiny_checkpoint(path, family: str, *, vocab_size: int = 512, seed: int 
                 p.normal_(0, 0.1)
     model.save_pretrained(str(path))
     return str(path)
+
+
+def make_served_checkpoint(path, family: str = "llama", **kw) -> Path:
+    """A tiny random checkpoint with the tiny trained tokenizer beside it (what a server needs),
+    its vocabulary sized to the tokenizer's; `kw` as make_tiny_checkpoint's."""
+    from tokenizers import Tokenizer
+
+    from specserve.tiny import train_tiny_tokenizer
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    train_tiny_tokenizer(path)
+    make_tiny_checkpoint(path, family, vocab_size=Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size(),
+                         **kw)
+    return path
+
+
+@contextlib.contextmanager
+def running_server(repo, root, extra_args=()):
+    """tritonserver on a rendered repository (ports picked by launch.py), ready; stopped on exit."""
+    from specserve.triton.launch import TritonServer
+
+    srv = TritonServer(repo, root, None, log_file=Path(root) / "tritonserver.log", exit_timeout_s=5,
+                       extra_args=list(extra_args))
+    srv.start()
+    try:
+        srv.wait_ready(180)
+        yield srv
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="session", params=FAMILIES)

@@ -13,19 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_tiny_checkpoint
+from conftest import make_served_checkpoint
 from specserve.cli import main
-from specserve.tiny import train_tiny_tokenizer
 from specserve.triton.launch import Ports
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cli_ckpt")
-    train_tiny_tokenizer(path)
-    from tokenizers import Tokenizer
-    make_tiny_checkpoint(path, "qwen2", vocab_size=Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size())
-    return path
+    return make_served_checkpoint(tmp_path_factory.mktemp("cli_ckpt"), "qwen2")
 
 
 def _serve(*args: str) -> int:

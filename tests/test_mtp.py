@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_tiny_checkpoint
+from conftest import make_served_checkpoint, make_tiny_checkpoint
 from specserve import verify
 from specserve.engine import Engine, EngineConfig, GenerationRequest, RequestRejected
 from specserve.model import load_model
 from specserve.proposers.arbiter import ArbiterConfig, Candidate, arbitrate, score_candidates
-from specserve.proposers.base import Draft, DraftRequest, ProposerError, StepOutcome
+from specserve.proposers.base import Draft, ProposerError, StepOutcome
 from specserve.proposers.eagle import EagleProposer
 from specserve.proposers.multi_draft import MultiDraftProposer, candidates_of, map_nodes, sub_outcome
 from specserve.proposers.ngram import NgramProposer
@@ -546,14 +546,7 @@ def test_mtp_runs_remote_by_default_whatever_eagles_placement(tmp_path, monkeypa
     from specserve.triton.factory import build_engine, mtp_runs_remote
     from specserve.triton.render import RepositorySettings, render_repository, verifier_settings
 
-    from tokenizers import Tokenizer
-
-    from specserve.tiny import train_tiny_tokenizer
-
-    target_path = tmp_path / "ckpt"
-    train_tiny_tokenizer(target_path)
-    make_tiny_checkpoint(target_path, "llama", seed=3, max_position_embeddings=256,
-                         vocab_size=Tokenizer.from_file(str(target_path / "tokenizer.json")).get_vocab_size())
+    target_path = make_served_checkpoint(tmp_path / "ckpt", seed=3, max_position_embeddings=256)
     target = load_model(target_path)
     save_eagle(random_drafter(target, seed=5), json.loads((target_path / "config.json").read_text()), tmp_path / "eagle")
     drafted = (("eagle", str(tmp_path / "eagle")),)

@@ -22,10 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_tiny_checkpoint
-from specserve.tiny import train_tiny_tokenizer
+from conftest import make_served_checkpoint, running_server
 from specserve.triton.client import CompletionError, StreamClient, build_inputs
-from specserve.triton.launch import Ports, TritonServer
+from specserve.triton.launch import Ports
 from specserve.triton.render import RepositorySettings, render_repository
 from streams import during_streams, scrape_metrics
 
@@ -36,12 +35,8 @@ LONG = 1200  # tokens: far longer than anything the test does while such a reque
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("rel_ckpt")
-    train_tiny_tokenizer(path)
-    from tokenizers import Tokenizer
-    vocab = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size()
-    make_tiny_checkpoint(path, "qwen2", vocab_size=vocab, seed=8, max_position_embeddings=2048, eos_token_id=None)
-    return path
+    return make_served_checkpoint(tmp_path_factory.mktemp("rel_ckpt"), "qwen2", seed=8, max_position_embeddings=2048,
+                                  eos_token_id=None)
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +44,8 @@ def server(ckpt, tmp_path_factory):
     root = tmp_path_factory.mktemp("rel_server")
     repo = render_repository(RepositorySettings(ckpt, max_num_seqs=8, max_model_len=2048, max_queue_len=64),
                              root / "model_repository")
-    srv = TritonServer(repo, root, None, log_file=root / "tritonserver.log", exit_timeout_s=5)
-    srv.start()
-    try:
-        srv.wait_ready(180)
+    with running_server(repo, root) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def wait_for_metrics(url: str, want: dict[str, float], timeout: float = 60.0) -> dict[str, float]:

@@ -11,18 +11,14 @@ its output. DFlash itself through tritonserver: tests/test_triton_dflash.py."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from conftest import make_tiny_checkpoint
+from conftest import make_served_checkpoint, running_server
 from specserve.cli import SERVE_TRITON_ARGS
-from specserve.tiny import train_tiny_tokenizer
 from specserve.triton import drafters, schema
 from specserve.triton.client import CompletionError, StreamClient, build_inputs
-from specserve.triton.launch import TritonServer
 from specserve.triton.params import RequestConfig
 from specserve.triton.render import RepositorySettings, render_repository
 from specserve.triton.tiers import Tier
@@ -40,23 +36,12 @@ DOCS = Tier("docs", "ngram", "none", 1)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("text_gate_server")
-    ckpt = root / "ckpt"
-    ckpt.mkdir()
-    train_tiny_tokenizer(ckpt)
-    from tokenizers import Tokenizer
-    vocab = Tokenizer.from_file(str(ckpt / "tokenizer.json")).get_vocab_size()
-    make_tiny_checkpoint(ckpt, "llama", vocab_size=vocab, seed=3, max_position_embeddings=256)
+    ckpt = make_served_checkpoint(root / "ckpt", seed=3, max_position_embeddings=256)
     repo = render_repository(RepositorySettings(ckpt, max_num_seqs=4, max_model_len=256, max_draft_len=4,
                                                 default_method="none", spec_threshold=None, tiers=(DOCS,),
                                                 text_classifier=str(CLASSIFIER)), root / "model_repository")
-    srv = TritonServer(repo, root, None, log_file=root / "tritonserver.log", exit_timeout_s=5,
-                       extra_args=list(SERVE_TRITON_ARGS))
-    srv.start()
-    try:
-        srv.wait_ready(180)
+    with running_server(repo, root, SERVE_TRITON_ARGS) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def gen(srv, model, prompt, sampling):

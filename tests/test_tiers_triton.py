@@ -9,14 +9,12 @@ import json
 import pytest
 import yaml
 
-from conftest import make_tiny_checkpoint
+from conftest import make_served_checkpoint, running_server
 from specserve.cli import SERVE_TRITON_ARGS, main
 from specserve.model import load_model
 from specserve.proposers.eagle import save_eagle
-from specserve.tiny import train_tiny_tokenizer
 from specserve.triton import tier_control
 from specserve.triton.client import CompletionError, StreamClient
-from specserve.triton.launch import TritonServer
 from specserve.triton.render import RepositorySettings, render_repository
 from specserve.triton.tiers import Tier, TierError
 from streams import during_streams
@@ -32,26 +30,15 @@ CODE = Tier("code", "ngram", "none", 1, max_tokens=300)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiers_server")
-    ckpt = root / "ckpt"
-    ckpt.mkdir()
-    train_tiny_tokenizer(ckpt)
-    from tokenizers import Tokenizer
-    vocab = Tokenizer.from_file(str(ckpt / "tokenizer.json")).get_vocab_size()
-    make_tiny_checkpoint(ckpt, "llama", vocab_size=vocab, seed=3, max_position_embeddings=512)
+    ckpt = make_served_checkpoint(root / "ckpt", seed=3, max_position_embeddings=512)
     save_eagle(random_drafter(load_model(ckpt), seed=5), json.loads((ckpt / "config.json").read_text()),
                root / "eagle")
     repo = render_repository(RepositorySettings(ckpt, max_num_seqs=16, max_model_len=512, max_draft_len=4,
                                                 default_method="none", drafters=(("eagle", str(root / "eagle")),),
                                                 spec_threshold=None, tiers=(FAST, CODE)),
                              root / "model_repository")
-    srv = TritonServer(repo, root, None, log_file=root / "tritonserver.log", exit_timeout_s=5,
-                       extra_args=list(SERVE_TRITON_ARGS))
-    srv.start()
-    try:
-        srv.wait_ready(180)
+    with running_server(repo, root, SERVE_TRITON_ARGS) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def gen(srv, model, prompt, sampling, **kw):

@@ -13,12 +13,11 @@ from pathlib import Path
 import pytest
 from google.protobuf import text_format
 
-from conftest import make_tiny_checkpoint
+from conftest import make_served_checkpoint
 from specserve.triton import schema
 from specserve.triton.detokenize import TokenWindow, make_window, stable, text_delta
 from specserve.triton.params import BadRequest, make_request_config, parse_sampling_parameters
 from specserve.triton.render import RepositorySettings, render_repository
-from specserve.tiny import train_tiny_tokenizer
 from specserve.engine import GenerationRequest
 from specserve.model import CheckpointError
 from specserve.sampling import SamplingParams
@@ -26,12 +25,7 @@ from specserve.sampling import SamplingParams
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("adapters_ckpt")
-    train_tiny_tokenizer(path)
-    from tokenizers import Tokenizer
-    vocab = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size()
-    make_tiny_checkpoint(path, "llama", vocab_size=vocab, seed=3)
-    return path
+    return make_served_checkpoint(tmp_path_factory.mktemp("adapters_ckpt"), seed=3)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from specserve.triton.client import CompletionError, StreamClient
-from specserve.triton.launch import TritonServer
+from conftest import running_server
 from specserve.triton.render import RepositorySettings, render_repository
 from specserve.triton.tiers import Tier
 
@@ -30,15 +30,8 @@ def server(tmp_path_factory):
                                                 text_classifier=str(DEMO / "text_classifier"),
                                                 dflash_text_types=("code", "prose"), tiers=(CODE_ONLY,)),
                              root / "model_repository")
-    srv = TritonServer(repo, root, None, log_file=root / "tritonserver.log", exit_timeout_s=5)
-    srv.start()
-    try:
-        srv.wait_ready(180)
-    except BaseException:
-        srv.stop()
-        raise
-    yield srv
-    srv.stop()
+    with running_server(repo, root) as srv:
+        yield srv
 
 
 def test_greedy_dflash_equals_none_through_triton(server):
