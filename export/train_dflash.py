@@ -38,8 +38,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from specserve.engine import Engine, EngineConfig, GenerationRequest
-from specserve.masks import build_mask, chain_parents
-from specserve.model import ForwardBatch, Transformer, load_model
+from specserve.model import Transformer, load_model
 from specserve.proposers.dflash import (DFlashDrafter, DFlashProposer, dflash_config_for, init_from_target,
                                         save_dflash)
 from specserve.proposers.dflash_memory import batched_views
@@ -49,7 +48,7 @@ from specserve.sampling import SamplingParams
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "export"))
 from run_checkpoint import resume, save  # noqa: E402 — the resumable checkpoint the trainers share
-from train_eagle import corpus_token_stream  # noqa: E402 — shared data helper
+from train_eagle import causal_batch, corpus_token_stream  # noqa: E402 — shared helpers
 
 
 # -- data and cache ------------------------------------------------------------------------------
@@ -67,13 +66,6 @@ def greedy_continuations(target: Transformer, stream: list[int], *, n: int, prom
         got = engine.generate(reqs)
         out += [r.prompt_ids + got[r.request_id].new_token_ids for r in reqs]
     return out
-
-
-def causal_batch(tokens: torch.Tensor) -> ForwardBatch:
-    B, T = tokens.shape
-    mask, positions = build_mask([0] * B, [chain_parents(T)] * B, T)
-    zero = torch.zeros(B, dtype=torch.long)
-    return ForwardBatch(tokens, positions, zero, zero, mask)
 
 
 @torch.inference_mode()

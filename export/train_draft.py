@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distill_cache import (DistillCache, acceptance_in_process, distilled_trainer_args,  # noqa: E402
                            heldout_benchmark_prompts)
 from run_checkpoint import resume, save  # noqa: E402
+from train_eagle import causal_batch  # noqa: E402 — the whole-sequence causal batch
 
-from specserve.masks import build_mask, chain_parents  # noqa: E402
-from specserve.model import ForwardBatch, ModelConfig, Transformer, load_model  # noqa: E402
+from specserve.model import ModelConfig, Transformer, load_model  # noqa: E402
 from specserve.proposers.draft_model import DraftModelProposer, save_draft_model  # noqa: E402
 
 
@@ -69,13 +69,6 @@ def init_student(target: Transformer, cfg: ModelConfig, seed: int) -> Transforme
         model.embed_tokens.weight.copy_(E @ Vh[:cfg.hidden_size].T)  # [V, D]
     model.lm_head.weight = model.embed_tokens.weight
     return model
-
-
-def causal_batch(tokens: torch.Tensor) -> ForwardBatch:
-    B, T = tokens.shape
-    mask, positions = build_mask([0] * B, [chain_parents(T)] * B, T)
-    zero = torch.zeros(B, dtype=torch.long)
-    return ForwardBatch(tokens, positions, zero, zero, mask)
 
 
 def student_logits(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:

@@ -103,6 +103,7 @@ def batches(stream: list[int], extra: list[list[int]], *, seq_len: int, batch: i
 # -- backbone training -----------------------------------------------------------------------------
 
 def causal_batch(tokens: torch.Tensor) -> ForwardBatch:
+    """tokens [B, T] as one causal forward from position 0, no cache (train_dflash and train_draft too)."""
     B, T = tokens.shape
     mask, positions = build_mask([0] * B, [chain_parents(T)] * B, T)
     zero = torch.zeros(B, dtype=torch.long)
