@@ -23,11 +23,11 @@ test: install
 	$(PY) -m pytest -q tests
 
 demo: install
-	$(PY) -m specserve.demo
+	$(PY) -m specserve.cli.demo
 
 # The demo model when it is there, else a tiny random one made on the spot (the demo says which).
 serve: install
-	$(VENV)/bin/specserve serve --target "$$($(PY) -m specserve.demo --print-target)"
+	$(VENV)/bin/specserve serve --target "$$($(PY) -m specserve.cli.demo --print-target)"
 
 engine-bench: install
 	$(PY) benchmarks/engine_bench.py

@@ -7,7 +7,7 @@ and with the fixed one, through Triton, alternated in one run.
 
 One tritonserver (fused EAGLE drafter, fp32, `--draft-policy adaptive`, which profiles verify
 costs at start); three configurations per block of requests, in an order rotated per block
-(specserve.bench.runner.run_phase): `none`, `eagle` (adaptive: the engine picks each step's
+(specserve.cli.bench.runner.run_phase): `none`, `eagle` (adaptive: the engine picks each step's
 draft length) and `eagle/fixed` (draft_policy "fixed": up to 8 tokens every step, as before).
 Prompts: held-out code and prose alternated. Greedy, so every configuration's text must equal
 none's (checked). Output tokens/s and its ratio to none are from the same blocks.

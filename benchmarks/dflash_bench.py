@@ -58,13 +58,13 @@ def serving(args, log=print) -> dict:
 def sweeps(args, log=print) -> dict:
     import torch
 
-    from specserve.engine import Engine, EngineConfig, GenerationRequest
-    from specserve.model import load_model
-    from specserve.proposers.dflash import DFlashProposer, load_dflash, narrowed
-    from specserve.proposers.ngram import NgramProposer
-    from specserve.sampling import SamplingParams
-    from specserve.triton.factory import resolve_drafter_dtype
-    from specserve.triton.tokenizer import load_tokenizer
+    from specserve.core.engine import Engine, EngineConfig, GenerationRequest
+    from specserve.model.transformer import load_model
+    from specserve.methods.dflash.proposer import DFlashProposer, load_dflash, narrowed
+    from specserve.methods.ngram.proposer import NgramProposer
+    from specserve.core.sampling import SamplingParams
+    from specserve.serving.build import resolve_drafter_dtype
+    from specserve.model.tokenizer import load_tokenizer
 
     torch.set_num_threads(args.threads)
     target = load_model(DEMO / "target")
@@ -110,9 +110,9 @@ def sweeps(args, log=print) -> dict:
 def memory_table() -> dict:
     import torch
 
-    from specserve.model import load_model
-    from specserve.proposers.dflash import load_dflash
-    from specserve.proposers.dflash_memory import SequenceMemory, budget_bytes, full_feature_bytes
+    from specserve.model.transformer import load_model
+    from specserve.methods.dflash.proposer import load_dflash
+    from specserve.methods.dflash.memory import SequenceMemory, budget_bytes, full_feature_bytes
 
     target = load_model(DEMO / "target")
     d = load_dflash(DEMO / "dflash", target)

@@ -5,7 +5,7 @@ measurement), plus two in-process measurements that explain the figures.
 
 1. Serving (tritonserver started here, fused EAGLE drafter, float32, greedy): held-out code and
    prose prompts alternated (code, prose, code, …), every method on every block of requests in
-   an order rotated per block (specserve.bench.runner.run_phase), at each concurrency: output
+   an order rotated per block (specserve.cli.bench.runner.run_phase), at each concurrency: output
    tokens/s, inter-token latency (gap between streamed responses) p50 / p99 / standard deviation,
    acceptance length; dspark/eagle ratios; greedy outputs of every method compared with none's.
 2. Spans (in process): the dspark step with each attention-span set (static_step.SPAN_SETS) on
@@ -52,11 +52,11 @@ def serving(args, log=print) -> dict:
 def _engine(span_set: str, max_num_seqs: int):
     import torch
 
-    from specserve.engine import Engine, EngineConfig
-    from specserve.model import load_model
-    from specserve.proposers.dspark import DSParkProposer
-    from specserve.proposers.eagle import EagleProposer, load_eagle
-    from specserve.triton.factory import resolve_drafter_dtype
+    from specserve.core.engine import Engine, EngineConfig
+    from specserve.model.transformer import load_model
+    from specserve.methods.dspark.proposer import DSParkProposer
+    from specserve.methods.eagle.proposer import EagleProposer, load_eagle
+    from specserve.serving.build import resolve_drafter_dtype
 
     target = load_model(DEMO / "target")
     drafter = load_eagle(DEMO / "eagle", target, dtype=resolve_drafter_dtype("auto", target))
@@ -68,9 +68,9 @@ def _engine(span_set: str, max_num_seqs: int):
 
 
 def _requests(method: str, n: int, new_tokens: int):
-    from specserve.engine import GenerationRequest
-    from specserve.sampling import SamplingParams
-    from specserve.triton.tokenizer import load_tokenizer
+    from specserve.core.engine import GenerationRequest
+    from specserve.core.sampling import SamplingParams
+    from specserve.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(DEMO / "target")
     prompts = alternated_prompts(max(1, n // 2) + 1)[:n]
@@ -79,7 +79,7 @@ def _requests(method: str, n: int, new_tokens: int):
 
 
 def spans(args, log=print) -> dict:
-    from specserve.static_step import SPAN_SETS
+    from specserve.core.static_step import SPAN_SETS
 
     out = {}
     for batch in (1, 8):
@@ -106,8 +106,8 @@ def _breakdown(args, log) -> dict:
     """Time the pieces of one step for a bucket of B rows mid-generation, K = 4 and 8."""
     import torch
 
-    from specserve.proposers.dspark import StepKey
-    from specserve.static_step import (DeviceKV, SamplingTensors, StepInputs, span_for, target_step)
+    from specserve.methods.dspark.proposer import StepKey
+    from specserve.core.static_step import (DeviceKV, SamplingTensors, StepInputs, span_for, target_step)
 
     out = {}
     for B in (1, 16):

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from specserve.triton.factory import DTYPES  # noqa: E402 (after the sys.path line above)
+from specserve.serving.build import DTYPES  # noqa: E402 (after the sys.path line above)
 
 # name → (server, sampling-parameter overrides)
 CONFIGS: dict[str, tuple[str, dict]] = {
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
     for c in configs:
         same = sum(a == b for a, b in zip(tallies[c].texts, base.texts))
         rows[c]["identical_to_none"] = f"{same}/{len(base.texts)}"
-    from specserve.paths import shown
+    from specserve.core.paths import shown
 
     result = {"target": shown(args.target), "drafter": shown(args.drafter), "prompts": len(prompts),
               "new_tokens": args.new_tokens, "threshold": args.threshold, "dtype": args.dtype, "max_draft_len": args.max_draft_len,

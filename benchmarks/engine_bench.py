@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from specserve.engine import Engine, EngineConfig, GenerationRequest
-from specserve.model import load_model
-from specserve.sampling import SamplingParams
+from specserve.core.engine import Engine, EngineConfig, GenerationRequest
+from specserve.model.transformer import load_model
+from specserve.core.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 HELD_OUT = ROOT / "models/demo/heldout_prompts.jsonl"

@@ -59,7 +59,7 @@ def hf_config(args) -> dict:
 
 
 def random_target(args):
-    from specserve.model import ModelConfig, Transformer
+    from specserve.model.transformer import ModelConfig, Transformer
 
     cfg = ModelConfig.from_hf(hf_config(args))
     torch.manual_seed(0)
@@ -72,7 +72,7 @@ def random_target(args):
 
 
 def random_drafter(model):
-    from specserve.proposers.eagle import EagleDrafter
+    from specserve.methods.eagle.proposer import EagleDrafter
 
     cfg = model.cfg.__class__(**{**model.cfg.__dict__, "num_layers": 1})
     with torch.device(model.device):
@@ -103,8 +103,8 @@ def _median_ms(fn, reps: int, device) -> float:
 @torch.inference_mode()
 def step_times(model, args) -> dict:
     """ms per static step (verify of K+1 positions + acceptance), graph-replayed on CUDA."""
-    from specserve.cuda_graphs import GraphCache
-    from specserve.static_step import DeviceKV, SamplingTensors, StepInputs, span_for, target_step
+    from specserve.core.cuda_graphs import GraphCache
+    from specserve.core.static_step import DeviceKV, SamplingTensors, StepInputs, span_for, target_step
 
     out = {}
     max_b = max(args.batches)
@@ -139,15 +139,15 @@ def step_times(model, args) -> dict:
 
 
 def _engine(model, method_proposers, max_num_seqs, max_len, max_draft_len):
-    from specserve.engine import Engine, EngineConfig
+    from specserve.core.engine import Engine, EngineConfig
 
     return Engine(model, EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_len, max_draft_len=max_draft_len),
                   method_proposers, eos_token_ids=())
 
 
 def _requests(method, B, args, vocab):
-    from specserve.engine import GenerationRequest
-    from specserve.sampling import SamplingParams
+    from specserve.core.engine import GenerationRequest
+    from specserve.core.sampling import SamplingParams
 
     g = torch.Generator().manual_seed(B)
     return [GenerationRequest(f"{method}{i}", torch.randint(3, vocab, (args.context,), generator=g).tolist(),
@@ -175,8 +175,8 @@ def _timed_generation(engine, reqs, device) -> dict:
 
 
 def methods(model, args) -> dict:
-    from specserve.proposers.dspark import DSParkProposer
-    from specserve.proposers.eagle import EagleProposer
+    from specserve.methods.dspark.proposer import DSParkProposer
+    from specserve.methods.eagle.proposer import EagleProposer
 
     drafter = random_drafter(model)
     out = {}

@@ -91,7 +91,7 @@ def corrupt_consistently(text: str, rng: random.Random, n: int = 3) -> tuple[str
 
 
 def main(argv: list[str] | None = None) -> None:
-    from specserve.paths import shown
+    from specserve.core.paths import shown
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=12)

@@ -150,9 +150,9 @@ def in_process_part(args, sets: dict[str, list[str]]) -> dict:
     """Tree-budget sweep and per-proposer cost, on an engine built like the server's."""
     import torch
 
-    from specserve.engine import GenerationRequest
-    from specserve.sampling import SamplingParams
-    from specserve.triton.factory import EngineSettings, build_engine
+    from specserve.core.engine import GenerationRequest
+    from specserve.core.sampling import SamplingParams
+    from specserve.serving.build import EngineSettings, build_engine
 
     torch.set_num_threads(1)
     engine, tok = build_engine(EngineSettings(DEMO / "target", max_num_seqs=2, max_model_len=1024,
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     sets = prompt_sets(args.prompts)
-    from specserve.paths import shown
+    from specserve.core.paths import shown
 
     result = {"target": shown(DEMO / "target"), "drafters": {m: shown(f) for m, f in DRAFTERS},
               "prompts": args.prompts, "new_tokens": args.new_tokens, "max_draft_len": args.max_draft_len,

@@ -44,16 +44,16 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    from specserve.model import load_model
-    from specserve.proposers.mtp import export_mtp_onnx, load_mtp_heads
-    from specserve.proposers.remote_mtp_drafters import DraftModelService, HeadsOnnxRuntime, load_remote_draft
+    from specserve.model.transformer import load_model
+    from specserve.methods.mtp.heads import export_mtp_onnx, load_mtp_heads
+    from specserve.methods.mtp.remote_drafters import DraftModelService, HeadsOnnxRuntime, load_remote_draft
 
     target = load_model(DEMO / "target")
     heads = load_mtp_heads(DEMO / "mtp", target)
     out = Path(tempfile.mkdtemp(prefix="mtp-remote-bench-"))
     export_mtp_onnx(heads, out / "mtp_heads.onnx")
     rt = HeadsOnnxRuntime(out / "mtp_heads.onnx")
-    from specserve.triton.tokenizer import load_tokenizer
+    from specserve.model.tokenizer import load_tokenizer
 
     # Real text as contexts: the held-out prompts' tokens, one long run, a different offset per row.
     tok = load_tokenizer(DEMO / "target")

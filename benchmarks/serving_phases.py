@@ -1,7 +1,7 @@
 """Closed-loop serving phases through one tritonserver on the demo model, shared by the method
 benchmarks (dspark_bench, adaptive_bench): held-out code and prose prompts alternated, every
 configuration on every block of requests in an order rotated per block
-(specserve.bench.runner.run_phase), greedy outputs compared with the reference configuration's."""
+(specserve.cli.bench.runner.run_phase), greedy outputs compared with the reference configuration's."""
 
 from __future__ import annotations
 
@@ -28,12 +28,12 @@ def run_phases(settings, configs: list[str], sampling: Callable[[object, str], d
                concurrencies: list[int], new_tokens: int, reference: str = "none", log=print) -> dict:
     """{concurrency: {config: summary}} for a server rendered from RepositorySettings `settings`;
     `sampling(workload_request, config)` gives each request's sampling_parameters."""
-    from specserve.bench.metrics import speculation, summarize
-    from specserve.bench.runner import StreamDriver, run_phase
-    from specserve.bench.workload import WorkloadRequest
+    from specserve.cli.bench.metrics import speculation, summarize
+    from specserve.cli.bench.runner import StreamDriver, run_phase
+    from specserve.cli.bench.workload import WorkloadRequest
     from specserve.triton.launch import TritonServer
     from specserve.triton.render import render_repository
-    from specserve.triton.tokenizer import load_tokenizer
+    from specserve.model.tokenizer import load_tokenizer
 
     class Driver(StreamDriver):
         def sampling(self, req, config):

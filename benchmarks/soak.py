@@ -160,7 +160,7 @@ def main() -> int:
     else:
         ports = Ports.free()
         work = Path("work_dirs/soak/server")
-        server = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve", "--target", "models/demo/target",
+        server = subprocess.Popen([sys.executable, "-m", "specserve.cli.main", "serve", "--target", "models/demo/target",
                                    "--http-port", str(ports.http), "--grpc-port", str(ports.grpc),
                                    "--metrics-port", str(ports.metrics), "--max-num-seqs", "16",
                                    "--work-dir", str(work)], cwd=REPO,

@@ -41,7 +41,7 @@ def prompts() -> list[str]:
 
 
 def in_process(texts: list[str], rounds: int) -> dict:
-    from specserve.text_gate import TextClassifier, features
+    from specserve.serving.text_gate import TextClassifier, features
 
     clf = TextClassifier(CLASSIFIER)
     feat, onnx, total = [], [], []
@@ -64,11 +64,11 @@ def in_process(texts: list[str], rounds: int) -> dict:
 def through_triton(texts: list[str], rounds: int) -> dict:
     import tritonclient.grpc as grpcclient
 
-    from specserve.cli import SERVE_TRITON_ARGS
-    from specserve.triton import schema
+    from specserve.cli.main import SERVE_TRITON_ARGS
+    from specserve.serving import schema
     from specserve.triton.client import build_inputs
     from specserve.triton.launch import TritonServer
-    from specserve.triton.params import RequestConfig
+    from specserve.serving.params import RequestConfig
     from specserve.triton.render import RepositorySettings, render_repository
 
     root = Path(tempfile.mkdtemp(prefix="specserve-text-gate-bench-"))

@@ -3,10 +3,10 @@
     python benchmarks/tiers_bench.py [--requests 32] [--rate 2.0] [--burst 32] [--max-num-seqs 4] \
         [--out docs/tiers/cpu_tiers.json]
 
-One server, rendered with ensemble_configs/tiers.yaml (vip → dspark, standard → eagle adaptive,
+One server, rendered with config/tiers.yaml (vip → dspark, standard → eagle adaptive,
 batch → eagle adaptive, code → ngram; fused EAGLE drafter, fp32, greedy), two phases:
 
-  mixed       the bench's request mix (specserve.bench.workload: 80 % short, 15 % medium, 5 % long
+  mixed       the bench's request mix (specserve.cli.bench.workload: 80 % short, 15 % medium, 5 % long
               prompts; outputs 32..128 tokens here, to keep the run short) spread round-robin over
               the four tiers, sent open-loop at Poisson arrivals (--rate requests/s); per tier:
               TTFT, TPOT p50 / p99 and output tokens/s over the phase's wall time.
@@ -39,11 +39,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from serving_phases import DEMO, alternated_prompts  # noqa: E402
 
-TIERS_FILE = ROOT / "ensemble_configs" / "tiers.yaml"
+TIERS_FILE = ROOT / "config" / "tiers.yaml"
 
 
 def _tier_driver(url: str, model: str):
-    from specserve.bench.runner import StreamDriver
+    from specserve.cli.bench.runner import StreamDriver
 
     class TierDriver(StreamDriver):
         """Requests go to a tier's ensemble and say nothing of the method: the tier decides."""
@@ -57,8 +57,8 @@ def _tier_driver(url: str, model: str):
 
 def _send_all(jobs, offsets):
     """jobs: [(driver, request, label)], sent at start + offset; → (records, Window)."""
-    from specserve.bench.events import Window
-    from specserve.bench.runner import clock
+    from specserve.cli.bench.events import Window
+    from specserve.cli.bench.runner import clock
 
     start = clock() + 0.05
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
@@ -68,7 +68,7 @@ def _send_all(jobs, offsets):
 
 
 def _by_tier(records, window, tiers) -> dict:
-    from specserve.bench.metrics import summarize
+    from specserve.cli.bench.metrics import summarize
     return {t: summarize([r for r in records if r.method == t], [window]) for t in tiers}
 
 
@@ -94,14 +94,15 @@ def main() -> int:
 
     import yaml
 
-    from specserve.bench.runner import poisson_offsets
-    from specserve.bench.workload import WorkloadRequest, build_workload, describe, text_source
-    from specserve.triton import schema, tier_control
-    from specserve.triton.factory import STATIC_METHODS
+    from specserve.cli.bench.runner import poisson_offsets
+    from specserve.cli.bench.workload import WorkloadRequest, build_workload, describe, text_source
+    from specserve.serving import schema
+    from specserve.triton import tier_control
+    from specserve.serving.build import STATIC_METHODS
     from specserve.triton.launch import TritonServer
     from specserve.triton.render import RepositorySettings, render_repository
-    from specserve.triton.tiers import ServerLimits, load_tiers
-    from specserve.triton.tokenizer import load_tokenizer
+    from specserve.serving.tiers import ServerLimits, load_tiers
+    from specserve.model.tokenizer import load_tokenizer
 
     # The server takes the demo model's full length (the tiers' limits go up to 1536); the
     # workload's prompts are cut at 1024 tokens (the plan records the cap) to keep the run short.

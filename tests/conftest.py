@@ -53,7 +53,7 @@ def make_served_checkpoint(path, family: str = "llama", **kw) -> Path:
     its vocabulary sized to the tokenizer's; `kw` as make_tiny_checkpoint's."""
     from tokenizers import Tokenizer
 
-    from specserve.tiny import train_tiny_tokenizer
+    from specserve.model.tiny import train_tiny_tokenizer
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -10,10 +10,10 @@ import math
 
 import pytest
 
-from specserve.bench.command import main
-from specserve.bench.fallback import random_checkpoint
-from specserve.model import load_model
-from specserve.proposers.eagle import save_eagle
+from specserve.cli.bench.command import main
+from specserve.cli.bench.fallback import random_checkpoint
+from specserve.model.transformer import load_model
+from specserve.methods.eagle.proposer import save_eagle
 from test_eagle import random_drafter
 
 pytestmark = pytest.mark.triton

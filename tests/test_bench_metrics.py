@@ -9,9 +9,9 @@ import random
 
 import pytest
 
-from specserve.bench import metrics
-from specserve.bench.events import Chunk, RequestRecord, Window
-from specserve.bench.workload import TextSource, bucket_counts, build_workload, plan_buckets
+from specserve.cli.bench import metrics
+from specserve.cli.bench.events import Chunk, RequestRecord, Window
+from specserve.cli.bench.workload import TextSource, bucket_counts, build_workload, plan_buckets
 
 
 def streamed() -> RequestRecord:
@@ -217,7 +217,7 @@ def test_workload_on_a_short_model_fits_every_request():
 
 
 def test_prompts_file_takes_json_lines_or_plain_lines(tmp_path):
-    from specserve.bench.workload import read_prompts_file
+    from specserve.cli.bench.workload import read_prompts_file
 
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "def f(x):", "id": 3}\nplain text line\n\n"a JSON string"\n')
@@ -226,7 +226,7 @@ def test_prompts_file_takes_json_lines_or_plain_lines(tmp_path):
 
 # -- interleaving and arrivals (runner's pure helpers) ----------------------------------------------
 def test_blocks_rotate_and_poisson_arrivals():
-    from specserve.bench.runner import blocks, poisson_offsets, rotate
+    from specserve.cli.bench.runner import blocks, poisson_offsets, rotate
 
     assert [len(b) for b in blocks(list(range(5)), 2)] == [2, 2, 1]
     methods = ["none", "ngram", "eagle"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_served_checkpoint
-from specserve.cli import main
+from specserve.cli.main import main
 from specserve.triton.launch import Ports
 
 
@@ -84,7 +84,7 @@ def test_serve_runs_in_the_foreground_and_stops_on_sigterm(ckpt, tmp_path):
     from specserve.triton.client import StreamClient
 
     ports = Ports.free()
-    proc = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve", "--target", str(ckpt),
+    proc = subprocess.Popen([sys.executable, "-m", "specserve.cli.main", "serve", "--target", str(ckpt),
                              "--http-port", str(ports.http), "--grpc-port", str(ports.grpc),
                              "--metrics-port", str(ports.metrics), "--max-num-seqs", "2",
                              "--work-dir", str(tmp_path / "work")],
@@ -111,7 +111,7 @@ def test_serve_runs_in_the_foreground_and_stops_on_sigterm(ckpt, tmp_path):
 @pytest.mark.triton
 def test_demo_streams_both_methods_and_stops(ckpt):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run([sys.executable, "-m", "specserve.demo", "--target", str(ckpt), "--max-tokens", "8"],
+    done = subprocess.run([sys.executable, "-m", "specserve.cli.demo", "--target", str(ckpt), "--max-tokens", "8"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "--- none:" in done.stdout and "--- ngram:" in done.stdout

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from specserve.engine import Engine, EngineConfig, GenerationRequest
-from specserve.model import load_model
-from specserve.proposers.eagle import EagleProposer, load_eagle
-from specserve.proposers.eagle_export import export
-from specserve.proposers.eagle_onnx import CalibrationOnnxRuntime, EagleOnnxRuntime, in_process_call
-from specserve.proposers.remote import RemoteProposer
-from specserve.sampling import SamplingParams
+from specserve.core.engine import Engine, EngineConfig, GenerationRequest
+from specserve.model.transformer import load_model
+from specserve.methods.eagle.proposer import EagleProposer, load_eagle
+from specserve.methods.eagle.export import export
+from specserve.methods.eagle.onnx_runtime import CalibrationOnnxRuntime, EagleOnnxRuntime, in_process_call
+from specserve.methods.remote import RemoteProposer
+from specserve.core.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET, DRAFTER = ROOT / "models/demo/target", ROOT / "models/demo/eagle"

@@ -1,7 +1,7 @@
 """The committed demo target: still the model the card describes, and specserve reads it exactly.
 
 (a) Held-out bits per byte on a fixed slice of held-out text, rebuilt from the corpus manifest,
-    must stay within a small tolerance of the figure export/eval_target.py recorded in
+    must stay within a small tolerance of the figure training/eval_target.py recorded in
     models/demo/eval.json — a broken, truncated or swapped checkpoint fails this.
 (b) specserve's own model must give transformers' logits on the same checkpoint.
 """
@@ -21,7 +21,7 @@ TARGET = REPO / "models" / "demo" / "target"
 EVAL_JSON = REPO / "models" / "demo" / "eval.json"
 BPB_TOLERANCE = 0.05  # bits per byte; run-to-run noise is ~1e-6, a wrong checkpoint is off by >1
 
-sys.path.insert(0, str(REPO / "export"))  # export/ holds scripts, not a package
+sys.path.insert(0, str(REPO / "training"))  # training/ holds scripts, not a package
 import corpus  # noqa: E402
 from eval_target import nats_and_bytes  # noqa: E402
 
@@ -58,7 +58,7 @@ def test_heldout_bits_per_byte_matches_card(hf_model):
 
 
 def test_specserve_logits_match_transformers(hf_model):
-    from specserve.model import load_model
+    from specserve.model.transformer import load_model
 
     model, tok = hf_model
     # Text from the committed prompt file, so this check needs no stdlib match.

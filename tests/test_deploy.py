@@ -76,7 +76,7 @@ def _need(module: str):
 
 # -- the CLI as it is -------------------------------------------------------------------------------
 def _serve_parser():
-    from specserve.cli import build_parser
+    from specserve.cli.main import build_parser
 
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     return sub.choices["serve"]
@@ -320,9 +320,9 @@ def test_manifests_agree_with_serve(overlay):
 def test_serve_with_the_deployed_flags_uses_explicit_model_control(monkeypatch, tmp_path):
     """Run `specserve serve` with each deployment's flags up to the tritonserver command (no
     server starts) and read the command it would run: explicit model control, the ports."""
-    import specserve.cli as cli
+    import specserve.cli.main as cli
     import specserve.triton.launch as launch
-    from specserve.triton.auth import ADMIN_HEADER, ADMIN_KEY_ENV
+    from specserve.serving.auth import ADMIN_HEADER, ADMIN_KEY_ENV
 
     assert ADMIN_KEY_ENV == "SPECSERVE_ADMIN_KEY"    # the name docker-compose.yml and deploy/k8s set
 
@@ -421,7 +421,7 @@ def _adapter_rules() -> dict[str, dict]:
 
 
 def test_adapter_rules_are_valid_promql():
-    from specserve.triton.schema import TARGET_VERIFIER
+    from specserve.serving.schema import TARGET_VERIFIER
 
     rules = _adapter_rules()
     assert rules

@@ -1,4 +1,4 @@
-"""DFlash (specserve/proposers/dflash.py): greedy output equals plain decoding on the demo model;
+"""DFlash (specserve/methods/dflash/proposer.py): greedy output equals plain decoding on the demo model;
 sampled output follows the target distribution; the bounded memory keeps exactly what training
 computes and stays within W + n/W + r; the repetition guard triggers and releases; spec_fallback."""
 
@@ -11,16 +11,16 @@ import pytest
 import torch
 
 from conftest import make_tiny_checkpoint
-from specserve.engine import Engine, EngineConfig, GenerationRequest, RequestRejected
-from specserve.model import load_model
-from specserve.proposers.dflash import (DFlashDrafter, DFlashProposer, dflash_config_for, load_dflash,
+from specserve.core.engine import Engine, EngineConfig, GenerationRequest, RequestRejected
+from specserve.model.transformer import load_model
+from specserve.methods.dflash.proposer import (DFlashDrafter, DFlashProposer, dflash_config_for, load_dflash,
                                         save_dflash, stack_views)
-from specserve.proposers.dflash_memory import (SequenceMemory, batched_views, budget_bytes,
+from specserve.methods.dflash.memory import (SequenceMemory, batched_views, budget_bytes,
                                                full_feature_bytes)
-from specserve.proposers.ngram import NgramProposer
-from specserve.repetition import RepetitionGuard, repeated_period
-from specserve.sampling import SamplingParams
-from specserve.triton.params import BadRequest, make_request_config
+from specserve.methods.ngram.proposer import NgramProposer
+from specserve.core.repetition import RepetitionGuard, repeated_period
+from specserve.core.sampling import SamplingParams
+from specserve.serving.params import BadRequest, make_request_config
 from test_eagle import two_token_joint_tv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +44,7 @@ def test_incremental_memory_equals_the_batched_views_training_uses():
     the same positions (ring, anchors, pool), so training sees the memory the server keeps."""
     torch.manual_seed(0)
     W, D, r, rank = 4, 16, 3, 5
-    from specserve.proposers.dflash_memory import SlotPool
+    from specserve.methods.dflash.memory import SlotPool
 
     pool = SlotPool(D, r, rank)
     fused = torch.randn(1, 40, D)
@@ -70,7 +70,7 @@ def test_incremental_memory_equals_the_batched_views_training_uses():
 
 def test_memory_of_a_4k_sequence_stays_within_the_budget():
     W, D, r, rank = 32, 384, 64, 64
-    from specserve.proposers.dflash_memory import SlotPool
+    from specserve.methods.dflash.memory import SlotPool
 
     pool = SlotPool(D, r, rank)
     mem = SequenceMemory(W, D, r, rank)
@@ -221,7 +221,7 @@ def test_save_and_load_roundtrip(tmp_path):
 
 
 def test_serve_finds_every_drafter_beside_the_demo_target():
-    from specserve.cli import CliError, resolve_drafters
+    from specserve.cli.main import CliError, resolve_drafters
 
     target = DEMO / "target"
     found = resolve_drafters(target, [], False)
@@ -294,8 +294,8 @@ def test_block_size_option_is_checked(tmp_path, options, method, message):
 def test_missing_or_unreadable_drafter_weights_are_named(demo, tmp_path):
     import shutil
 
-    from specserve.model import CheckpointError
-    from specserve.proposers.mtp import load_mtp_heads
+    from specserve.model.transformer import CheckpointError
+    from specserve.methods.mtp.heads import load_mtp_heads
 
     target, _ = demo
     for name, load, what in (("dflash", load_dflash, "DFlash drafter"), ("mtp", load_mtp_heads, "the MTP heads folder")):

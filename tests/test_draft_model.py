@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from conftest import make_tiny_checkpoint
-from specserve.engine import Engine, EngineConfig, GenerationRequest
-from specserve.model import CheckpointError, load_model
-from specserve.proposers.draft_model import (PROBE, DraftModelProposer, TokenizerMismatch, check_tokenizer,
+from specserve.core.engine import Engine, EngineConfig, GenerationRequest
+from specserve.model.transformer import CheckpointError, load_model
+from specserve.methods.draft.proposer import (PROBE, DraftModelProposer, TokenizerMismatch, check_tokenizer,
                                              load_draft_model)
-from specserve.sampling import SamplingParams
+from specserve.core.sampling import SamplingParams
 from test_eagle import two_token_joint_tv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +66,7 @@ def test_rollback_keeps_the_draft_cache_exact(tiny):
 
 def test_drafts_have_max_len_tokens_and_their_distributions(tiny):
     target, draft = tiny
-    from specserve.proposers.base import DraftRequest
+    from specserve.core.proposer import DraftRequest
 
     prop = DraftModelProposer(draft, max_num_seqs=2, max_model_len=64, max_draft_len=3)
     greedy = SamplingParams(max_tokens=8)
@@ -178,13 +178,13 @@ def test_demo_draft_model_greedy_equals_none_and_is_accepted():
 
 
 def test_drafter_flag_and_discovery_beside_the_target(tmp_path):
-    from specserve.cli import CliError, resolve_drafters
+    from specserve.cli.main import CliError, resolve_drafters
 
     target = DEMO / "target"
     found = dict(resolve_drafters(target, [], False))
     assert Path(found["draft"]).resolve() == (DEMO / "draft").resolve()
     assert resolve_drafters(target, ["draft=models/demo/draft"], False) == (("draft", "models/demo/draft"),)
-    from specserve.triton.factory import COMPOSITE_METHODS, DRAFTED
+    from specserve.serving.build import COMPOSITE_METHODS, DRAFTED
 
     assert "draft" in DRAFTED
     names = (*DRAFTED, *COMPOSITE_METHODS)   # --drafter mtp=DIR names mtp's MTP heads
@@ -194,7 +194,7 @@ def test_drafter_flag_and_discovery_beside_the_target(tmp_path):
 
 
 def test_factory_builds_the_draft_method(tmp_path):
-    from specserve.triton.factory import EngineSettings, build_engine
+    from specserve.serving.build import EngineSettings, build_engine
 
     settings = EngineSettings(DEMO / "target", max_num_seqs=2, max_model_len=128, max_draft_len=4,
                               drafters=(("draft", str(DEMO / "draft")),), drafter_dtype="float32")

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from conftest import make_tiny_checkpoint
-from specserve.draft_policy import AcceptanceModel, CostTable, DraftCost, choose, grid
-from specserve.engine import Engine, EngineConfig, GenerationRequest
-from specserve.model import load_model
-from specserve.proposers.ngram import NgramProposer
-from specserve.sampling import SamplingParams
+from specserve.core.draft_policy import AcceptanceModel, CostTable, DraftCost, choose, grid
+from specserve.core.engine import Engine, EngineConfig, GenerationRequest
+from specserve.model.transformer import load_model
+from specserve.methods.ngram.proposer import NgramProposer
+from specserve.core.sampling import SamplingParams
 
 # A CPU-like table: at batch 1 width is nearly free; at batch 16 cost grows with every token.
 TABLE = CostTable(batch_sizes=(1, 16), widths=(1, 5, 9),
@@ -86,7 +86,7 @@ def test_draft_cost_separates_the_fixed_part_of_a_call():
 def test_the_cost_table_is_monotone_whatever_the_noise():
     noise = iter([5, 3, 9, 2] * 10)   # seconds per call, in order: warm-up then 3 reps per point
     clock = {"t": 0.0}
-    import specserve.draft_policy as dp
+    import specserve.core.draft_policy as dp
 
     def verify(b, t):
         clock["t"] += next(noise)

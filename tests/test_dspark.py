@@ -1,4 +1,4 @@
-"""DSPark (specserve.proposers.dspark) in process: greedy equals plain decoding (tiny model with a
+"""DSPark (specserve.methods.dspark.proposer) in process: greedy equals plain decoding (tiny model with a
 random drafter, and the demo model with its trained drafter), sampled output follows the target
 distribution and is reproducible per seed; the graph wrapper's CPU eager mode; CUDA-only checks
 (graph replay equals eager, no host sync inside a replay) skip visibly without a GPU."""
@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from conftest import make_tiny_checkpoint
-from specserve.cuda_graphs import GraphCache
-from specserve.engine import Engine, EngineConfig, GenerationRequest
-from specserve.model import load_model
-from specserve.proposers.dspark import DSParkProposer, StepKey, draft_lengths
-from specserve.proposers.eagle import EagleProposer, load_eagle
-from specserve.sampling import SamplingParams
+from specserve.core.cuda_graphs import GraphCache
+from specserve.core.engine import Engine, EngineConfig, GenerationRequest
+from specserve.model.transformer import load_model
+from specserve.methods.dspark.proposer import DSParkProposer, StepKey, draft_lengths
+from specserve.methods.eagle.proposer import EagleProposer, load_eagle
+from specserve.core.sampling import SamplingParams
 from test_eagle import random_drafter, two_token_joint_tv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,7 +102,7 @@ def test_sampled_dspark_follows_target_distribution(tmp_path):
 
 @pytest.mark.skipif(not (DEMO / "eagle" / "config.json").is_file(), reason="demo checkpoints absent")
 def test_demo_dspark_greedy_equals_none():
-    from specserve.triton.tokenizer import load_tokenizer
+    from specserve.model.tokenizer import load_tokenizer
 
     target = load_model(DEMO / "target")
     drafter = load_eagle(DEMO / "eagle", target, dtype=torch.float32)
@@ -187,7 +187,7 @@ def test_cuda_graph_replay_has_no_host_sync():
 @needs_cuda
 @pytest.mark.parametrize("method", ["eagle", "ngram"])
 def test_cuda_fp32_methods_equal_none(method):
-    from specserve.proposers.ngram import NgramProposer
+    from specserve.methods.ngram.proposer import NgramProposer
 
     target, engine = _cuda_engine("graph")
     engine.proposers["ngram"] = NgramProposer()

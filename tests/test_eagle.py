@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from conftest import make_tiny_checkpoint
-from specserve.engine import Engine, EngineConfig, GenerationRequest
-from specserve.model import CheckpointError, load_model
-from specserve.proposers.eagle import EagleDrafter, EagleProposer, load_eagle, save_eagle
-from specserve.sampling import SamplingParams, target_probs
+from specserve.core.engine import Engine, EngineConfig, GenerationRequest
+from specserve.model.transformer import CheckpointError, load_model
+from specserve.methods.eagle.proposer import EagleDrafter, EagleProposer, load_eagle, save_eagle
+from specserve.core.sampling import SamplingParams, target_probs
 
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7, 7, 300, 12], [11, 12, 13, 14, 11, 12, 13], [77],
            list(range(100, 140))]

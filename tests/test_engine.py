@@ -8,11 +8,11 @@ import pytest
 import torch
 import transformers
 
-from specserve.engine import Engine, EngineConfig, GenerationRequest, RequestRejected
-from specserve.model import load_model
-from specserve.proposers.base import Draft, DraftRequest, ProposerError, StepOutcome
-from specserve.proposers.ngram import NgramProposer, lookup
-from specserve.sampling import SamplingParams
+from specserve.core.engine import Engine, EngineConfig, GenerationRequest, RequestRejected
+from specserve.model.transformer import load_model
+from specserve.core.proposer import Draft, DraftRequest, ProposerError, StepOutcome
+from specserve.methods.ngram.proposer import NgramProposer, lookup
+from specserve.core.sampling import SamplingParams
 
 PROMPTS = [
     [5, 17, 99, 3, 250, 42, 7, 7, 300, 12, 64, 128, 5, 17, 99],
@@ -256,7 +256,7 @@ def test_ngram_lookup_examples():
 
 
 def test_prefill_groups_bound_padding_and_budget():
-    from specserve.engine import _prefill_groups
+    from specserve.core.engine import _prefill_groups
 
     class S:
         def __init__(self, n):

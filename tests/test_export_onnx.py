@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from conftest import make_tiny_checkpoint
-from specserve.masks import build_mask
-from specserve.model import load_model
+from specserve.core.masks import build_mask
+from specserve.model.transformer import load_model
 from test_eagle import random_drafter
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "export"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 import export_onnx  # noqa: E402
 
 TOL = 1e-4
@@ -92,7 +92,7 @@ def test_tensorrt_profiles_cover_what_the_remote_drafter_feeds(exported):
     every input shape the remote runtime sends: record them while drafting for 4 sequences
     (prompts of up to 40 pairs, then steps) and compare with the profiles' [min, max]."""
     import build_trt
-    from specserve.proposers.eagle_onnx import CalibrationOnnxRuntime, DraftBatch, EagleOnnxRuntime
+    from specserve.methods.eagle.onnx_runtime import CalibrationOnnxRuntime, DraftBatch, EagleOnnxRuntime
 
     target, drafter, report = exported
     c = target.cfg

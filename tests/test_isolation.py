@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from conftest import make_tiny_checkpoint
-from specserve.engine import (Engine, EngineConfig, GenerationRequest, RequestRejected, ServerBusy)
-from specserve.engine_loop import EngineLoop
-from specserve.model import load_model
-from specserve.proposers.base import Draft, ProposerError
-from specserve.proposers.ngram import NgramProposer
-from specserve.sampling import SamplingParams
+from specserve.core.engine import (Engine, EngineConfig, GenerationRequest, RequestRejected, ServerBusy)
+from specserve.core.engine_loop import EngineLoop
+from specserve.model.transformer import load_model
+from specserve.core.proposer import Draft, ProposerError
+from specserve.methods.ngram.proposer import NgramProposer
+from specserve.core.sampling import SamplingParams
 
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7, 7, 300, 12], [11, 12, 13, 14, 11, 12, 13], [400, 3, 3, 3, 3, 3],
            [77, 78], list(range(100, 130))]

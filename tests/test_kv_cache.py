@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.kv_cache import CacheFull
-from specserve.masks import build_mask, chain_parents
-from specserve.model import ForwardBatch, load_model
+from specserve.core.kv_cache import CacheFull
+from specserve.core.masks import build_mask, chain_parents
+from specserve.model.transformer import ForwardBatch, load_model
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7]
 

@@ -9,8 +9,8 @@ import torch
 import transformers
 
 from conftest import make_tiny_checkpoint
-from specserve.masks import build_mask, chain_parents
-from specserve.model import CheckpointError, ForwardBatch, load_model
+from specserve.core.masks import build_mask, chain_parents
+from specserve.model.transformer import CheckpointError, ForwardBatch, load_model
 
 TOL = 1e-4
 

@@ -14,16 +14,16 @@ import pytest
 import torch
 
 from conftest import make_served_checkpoint, make_tiny_checkpoint
-from specserve import verify
-from specserve.engine import Engine, EngineConfig, GenerationRequest, RequestRejected
-from specserve.model import load_model
-from specserve.proposers.arbiter import ArbiterConfig, Candidate, arbitrate, score_candidates
-from specserve.proposers.base import Draft, ProposerError, StepOutcome
-from specserve.proposers.eagle import EagleProposer
-from specserve.proposers.multi_draft import MultiDraftProposer, candidates_of, map_nodes, sub_outcome
-from specserve.proposers.ngram import NgramProposer
-from specserve.sampling import SamplingParams
-from specserve.triton.params import BadRequest, make_request_config
+from specserve.core import verify
+from specserve.core.engine import Engine, EngineConfig, GenerationRequest, RequestRejected
+from specserve.model.transformer import load_model
+from specserve.methods.mtp.arbiter import ArbiterConfig, Candidate, arbitrate, score_candidates
+from specserve.core.proposer import Draft, ProposerError, StepOutcome
+from specserve.methods.eagle.proposer import EagleProposer
+from specserve.methods.mtp.proposer import MultiDraftProposer, candidates_of, map_nodes, sub_outcome
+from specserve.methods.ngram.proposer import NgramProposer
+from specserve.core.sampling import SamplingParams
+from specserve.serving.params import BadRequest, make_request_config
 from test_eagle import PROMPTS, random_drafter, two_token_joint_tv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -228,7 +228,7 @@ def test_each_sub_proposer_observes_its_own_accepted_prefix(target_path):
 # -- sampled output is exact; a broken sibling residual is not -----------------------------------------
 def _sibling_engine(target):
     """Two subs drafting the target's two likeliest second tokens as root siblings (every step)."""
-    from specserve.sampling import target_probs
+    from specserve.core.sampling import target_probs
     sp = SamplingParams(temperature=1.0, top_k=6)
     with torch.inference_mode():
         p1 = target_probs(target.score(torch.tensor([[1, 3, 5]]))[0, -1:], sp)[0]
@@ -305,7 +305,7 @@ def test_sampling_parameters_carry_the_options_with_type_checks():
 
 
 def test_a_tier_sets_mtp_options_and_the_request_wins():
-    from specserve.triton.tiers import Tier
+    from specserve.serving.tiers import Tier
 
     tier = Tier("robust", "mtp", "eagle", 3, tree_budget=6, proposers=("eagle", "ngram"))
     cfg = make_request_config(json.dumps({"mtp_tree_budget": 4}), False, None, tier)
@@ -315,7 +315,7 @@ def test_a_tier_sets_mtp_options_and_the_request_wins():
 
 
 def test_a_dflash_tier_sets_the_block_size_and_the_request_wins():
-    from specserve.triton.tiers import Tier
+    from specserve.serving.tiers import Tier
 
     tier = Tier("batch", "dflash", "eagle", 0, block_size=16)
     assert make_request_config("{}", False, None, tier).options == {"dflash_block_size": 16}
@@ -328,7 +328,7 @@ def test_a_dflash_tier_sets_the_block_size_and_the_request_wins():
 def test_remote_arbiter_batch_carries_trees_with_parents_and_sources():
     import numpy as np
 
-    from specserve.proposers.remote_mtp import arbitrate_batch, mask_of, names_of, ngram_batch
+    from specserve.methods.mtp.remote import arbitrate_batch, mask_of, names_of, ngram_batch
 
     assert names_of(mask_of(["ngram", "eagle"])) == ("eagle", "ngram")
     ctx = np.array([[1, 2, 3, 1, 2, -1], [7, 8, 9, 7, 8, 9]])
@@ -405,8 +405,8 @@ class Recorder:
 def four_drafters(target_path, tmp_path_factory):
     """The tiny target's EAGLE (random, exported), MTP heads (random, exported) and two draft
     models: the target itself (drafts accepted in full) and a random one (drafts rejected)."""
-    from specserve.proposers.eagle_export import export
-    from specserve.proposers.mtp import MTPConfig, MTPHeads, _target_fields, export_mtp_onnx
+    from specserve.methods.eagle.export import export
+    from specserve.methods.mtp.heads import MTPConfig, MTPHeads, _target_fields, export_mtp_onnx
 
     target = load_model(target_path)
     out = tmp_path_factory.mktemp("remote_mtp")
@@ -430,13 +430,13 @@ def test_remote_mtp_proposes_the_fused_trees_with_all_four_drafters(four_drafter
     draft model's service, n-gram, the arbiter batch) proposes exactly fused mtp's tree at every
     step, and both credit all four proposers. The draft model's cache is rolled back by observe()
     fused and by its catch-up remotely; a stale entry would change its drafts."""
-    from specserve.proposers.draft_model import DraftModelProposer
-    from specserve.proposers.eagle_onnx import CalibrationOnnxRuntime, EagleOnnxRuntime
-    from specserve.proposers.eagle_onnx import in_process_call as eagle_call
-    from specserve.proposers.mtp import MTPHeadsProposer
-    from specserve.proposers.multi_draft import SUBPROPOSERS
-    from specserve.proposers.remote_mtp import RemoteMTPProposer, draft_call, heads_call, in_process_call
-    from specserve.proposers.remote_mtp_drafters import DraftModelService, HeadsOnnxRuntime
+    from specserve.methods.draft.proposer import DraftModelProposer
+    from specserve.methods.eagle.onnx_runtime import CalibrationOnnxRuntime, EagleOnnxRuntime
+    from specserve.methods.eagle.onnx_runtime import in_process_call as eagle_call
+    from specserve.methods.mtp.heads import MTPHeadsProposer
+    from specserve.methods.mtp.proposer import SUBPROPOSERS
+    from specserve.methods.mtp.remote import RemoteMTPProposer, draft_call, heads_call, in_process_call
+    from specserve.methods.mtp.remote_drafters import DraftModelService, HeadsOnnxRuntime
 
     target, drafter, report, heads, heads_onnx, drafts = four_drafters
     draft, L, seqs = drafts[draft_kind], 5, 4
@@ -469,7 +469,7 @@ def test_remote_mtp_proposes_the_fused_trees_with_all_four_drafters(four_drafter
 def test_draft_service_evicts_the_least_recently_used_sequence_and_catches_up(four_drafters):
     """draft_drafter's state is a cache: with its slots full a new sequence evicts the least
     recently used one, which later drafts the same chain from its tokens alone."""
-    from specserve.proposers.remote_mtp_drafters import DraftModelService
+    from specserve.methods.mtp.remote_drafters import DraftModelService
 
     *_, drafts = four_drafters
     service = DraftModelService(drafts["random"], max_num_seqs=2, max_model_len=64, max_draft_len=4)
@@ -489,7 +489,7 @@ def test_mtp_proposal_renders_the_served_drafters_only(four_drafters, target_pat
     served → mtp_heads with their ONNX export."""
     import re
 
-    from specserve.proposers.mtp import save_mtp_heads
+    from specserve.methods.mtp.heads import save_mtp_heads
     from specserve.triton.render import RepositorySettings, render_mtp_proposal
 
     heads = four_drafters[3]
@@ -510,10 +510,10 @@ def test_remote_mtp_credits_the_demo_heads_and_draft_model(tmp_path):
     """The committed demo MTP heads and draft model behind remote mtp's models (in process: what
     mtp_heads and draft_drafter run, rendered fp32): greedy output equals plain decoding on two
     held-out prompts, and accepted tokens are credited to both."""
-    from specserve.proposers.mtp import export_mtp_onnx, load_mtp_heads
-    from specserve.proposers.remote_mtp import RemoteMTPProposer, draft_call, heads_call, in_process_call
-    from specserve.proposers.remote_mtp_drafters import DraftModelService, HeadsOnnxRuntime, load_remote_draft
-    from specserve.triton.tokenizer import load_tokenizer
+    from specserve.methods.mtp.heads import export_mtp_onnx, load_mtp_heads
+    from specserve.methods.mtp.remote import RemoteMTPProposer, draft_call, heads_call, in_process_call
+    from specserve.methods.mtp.remote_drafters import DraftModelService, HeadsOnnxRuntime, load_remote_draft
+    from specserve.model.tokenizer import load_tokenizer
 
     demo = ROOT / "models" / "demo"
     target = load_model(demo / "target")
@@ -541,9 +541,9 @@ def test_mtp_runs_remote_by_default_whatever_eagles_placement(tmp_path, monkeypa
     """mtp's placement is its own (default remote): with EAGLE fused, the repository still has
     mtp_proposal and the EAGLE models it reuses, and the engine's mtp is the remote proposer while
     its eagle stays fused; --mtp-placement fused renders none of them. Remote needs an EAGLE drafter."""
-    from specserve.proposers.eagle import save_eagle
-    from specserve.proposers.remote_mtp import RemoteMTPProposer
-    from specserve.triton.factory import build_engine, mtp_runs_remote
+    from specserve.methods.eagle.proposer import save_eagle
+    from specserve.methods.mtp.remote import RemoteMTPProposer
+    from specserve.serving.build import build_engine, mtp_runs_remote
     from specserve.triton.render import RepositorySettings, render_repository, verifier_settings
 
     target_path = make_served_checkpoint(tmp_path / "ckpt", seed=3, max_position_embeddings=256)
@@ -577,7 +577,7 @@ def test_mtp_runs_remote_by_default_whatever_eagles_placement(tmp_path, monkeypa
 
 
 def test_startup_lines_say_where_each_drafter_and_mtp_run():
-    from specserve.triton.factory import where_drafters_run
+    from specserve.serving.build import where_drafters_run
 
     demo = ROOT / "models" / "demo"
     found = tuple((m, str(demo / m)) for m in ("eagle", "dflash", "draft", "mtp"))

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from conftest import make_tiny_checkpoint
-from specserve.engine import Engine, EngineConfig, GenerationRequest
-from specserve.model import CheckpointError, ForwardBatch, load_model
-from specserve.proposers.base import DraftRequest, ProposerError
-from specserve.proposers.mtp import (MTPConfig, MTPHeads, MTPHeadsProposer, _target_fields, export_mtp_onnx,
+from specserve.core.engine import Engine, EngineConfig, GenerationRequest
+from specserve.model.transformer import CheckpointError, ForwardBatch, load_model
+from specserve.core.proposer import DraftRequest, ProposerError
+from specserve.methods.mtp.heads import (MTPConfig, MTPHeads, MTPHeadsProposer, _target_fields, export_mtp_onnx,
                                      head_agreement, load_mtp_heads, save_mtp_heads)
-from specserve.sampling import SamplingParams
+from specserve.core.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "demo"
@@ -178,7 +178,7 @@ def test_onnx_export_matches_torch(tiny, tmp_path):
 
 def test_demo_heads_reach_their_cards_agreement():
     """A cheap recheck of models/demo/mtp/training.json's recheck_sample (same rows, recomputed)."""
-    sys.path.insert(0, str(ROOT / "export"))
+    sys.path.insert(0, str(ROOT / "training"))
     from train_mtp import recheck_rows
     from tokenizers import Tokenizer
 

@@ -132,7 +132,7 @@ class Served:
         for _ in range(5):
             self.ports = Ports.free()
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "specserve.cli", "serve", "--target", str(ckpt),
+                [sys.executable, "-m", "specserve.cli.main", "serve", "--target", str(ckpt),
                  "--http-port", str(self.ports.http), "--grpc-port", str(self.ports.grpc),
                  "--metrics-port", str(self.ports.metrics), "--work-dir", str(work), *args],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -212,7 +212,7 @@ def test_a_lost_engine_model_is_reloaded_and_sigterm_ends_what_outlives_the_drai
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    from specserve.triton.auth import grpc_headers
+    from specserve.serving.auth import grpc_headers
     served = Served(ckpt, tmp_path / "work", "--drain-timeout", "1")
     try:
         want = gen(served.grpc_url, "after the reload", {"max_tokens": 16}).text

@@ -11,16 +11,16 @@ import pytest
 import torch
 
 from conftest import make_tiny_checkpoint
-from specserve.engine import Engine, EngineConfig, GenerationRequest
-from specserve.model import load_model
-from specserve.proposers.base import DraftRequest, ProposerError
-from specserve.proposers.eagle import EagleProposer
-from specserve.proposers.eagle_onnx import CalibrationOnnxRuntime, EagleOnnxRuntime, in_process_call
-from specserve.proposers.remote import RemoteProposer
-from specserve.sampling import SamplingParams
+from specserve.core.engine import Engine, EngineConfig, GenerationRequest
+from specserve.model.transformer import load_model
+from specserve.core.proposer import DraftRequest, ProposerError
+from specserve.methods.eagle.proposer import EagleProposer
+from specserve.methods.eagle.onnx_runtime import CalibrationOnnxRuntime, EagleOnnxRuntime, in_process_call
+from specserve.methods.remote import RemoteProposer
+from specserve.core.sampling import SamplingParams
 from test_eagle import PROMPTS, random_drafter
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "export"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 import export_onnx  # noqa: E402
 
 
@@ -111,8 +111,8 @@ def test_remote_drafts_equal_fused_drafts(setup):
 
 
 def _prefill(target, prompt):
-    from specserve.masks import build_mask, chain_parents
-    from specserve.model import ForwardBatch
+    from specserve.core.masks import build_mask, chain_parents
+    from specserve.model.transformer import ForwardBatch
 
     T = len(prompt)
     mask, pos = build_mask([0], [chain_parents(T)], T)

@@ -1,4 +1,4 @@
-"""The static step (specserve.static_step): token for token equal to the dynamic step (greedy) for
+"""The static step (specserve.core.static_step): token for token equal to the dynamic step (greedy) for
 several batch buckets with mixed context and draft lengths and padded rows; sampled acceptance
 passes the distribution test of test_verify.py, and a broken variant fails it."""
 
@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from conftest import make_tiny_checkpoint
-from specserve.masks import build_mask, chain_parents
-from specserve.model import ForwardBatch, load_model
-from specserve.proposers.base import Draft
-from specserve.sampling import SamplingParams
-from specserve.static_step import (DeviceKV, SamplingTensors, StepInputs, acceptance, bucket_for, draw,
+from specserve.core.masks import build_mask, chain_parents
+from specserve.model.transformer import ForwardBatch, load_model
+from specserve.core.proposer import Draft
+from specserve.core.sampling import SamplingParams
+from specserve.core.static_step import (DeviceKV, SamplingTensors, StepInputs, acceptance, bucket_for, draw,
                                    final_distribution, greedy_acceptance, sampled_accepted, span_for,
                                    target_step, to_host, uniforms_for)
-from specserve.verify import Verdict, verify_greedy
+from specserve.core.verify import Verdict, verify_greedy
 from test_verify import (N_DRAWS, PARAMS, TV_BOUND, ToyLM, draw_chain, empirical_first_two,
                          exact_first_two)
 
@@ -180,7 +180,7 @@ def static_sampler(logits, draft: Draft, params, g, *, pad: int = 1) -> Verdict:
 def broken_static_sampler(logits, draft: Draft, params, g) -> Verdict:
     """BROKEN on purpose: the static acceptance test, but the token after a rejection is drawn
     from p instead of the residual max(p − q, 0)."""
-    from specserve.static_step import warp
+    from specserve.core.static_step import warp
     K = len(draft)
     tokens = torch.tensor([[0] + draft.tokens])
     probs = warp(logits[None], SamplingTensors.from_params([params], "cpu"))

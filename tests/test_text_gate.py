@@ -1,4 +1,4 @@
-"""The text-type gate (specserve/text_gate.py): the feature function, the committed classifier
+"""The text-type gate (specserve/serving/text_gate.py): the feature function, the committed classifier
 (pinned examples, held-out accuracy recomputed, the 40 demo prompts), routing in both
 configurations, the fallback order, the preprocess rewrite, an unavailable classifier, and its
 configuration (tiers file, renderer, CLI)."""
@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specserve.text_gate import (DEFAULT_FALLBACK, Classification, ClassifierUnavailable, FeatureParams, GateError,
+from specserve.serving.text_gate import (DEFAULT_FALLBACK, Classification, ClassifierUnavailable, FeatureParams, GateError,
                                  TextClassifier, TextGate, check_text_types, features, parse_text_types,
                                  resolve_fallback, route)
-from specserve.triton.factory import GATED_METHOD
-from specserve.triton.params import BadRequest, RequestConfig, make_request_config
-from specserve.triton.tiers import ServerLimits, Tier, TierError, parse_tier
+from specserve.serving.build import GATED_METHOD
+from specserve.serving.params import BadRequest, RequestConfig, make_request_config
+from specserve.serving.tiers import ServerLimits, Tier, TierError, parse_tier
 
 REPO = Path(__file__).resolve().parents[1]
 CLASSIFIER = REPO / "models" / "demo" / "text_classifier"
@@ -179,7 +179,7 @@ def test_unavailable_classifier_keeps_dflash_counts_and_logs_each_transition(cap
 
     count = Counter()
     gate = TextGate(classify, count=count)
-    with caplog.at_level(logging.WARNING, logger="specserve.text_gate"):
+    with caplog.at_level(logging.WARNING, logger="specserve.serving.text_gate"):
         for _ in range(3):
             c = gate.apply(PROSE_PROMPT, _config({"spec_method": "dflash"}))
             assert c.spec_method == GATED_METHOD
@@ -196,8 +196,8 @@ def test_unavailable_classifier_keeps_dflash_counts_and_logs_each_transition(cap
 
 
 def test_preprocess_rewrites_the_signed_config(clf):
-    from specserve.triton.auth import check_signature
-    from specserve.triton.preprocess import Preprocessor
+    from specserve.serving.auth import check_signature
+    from specserve.serving.preprocess import Preprocessor
 
     pre = Preprocessor(TARGET, max_model_len=512, internal_key="k", gate=TextGate(clf.classify))
     sampling = json.dumps({"spec_method": "dflash", "max_tokens": 8})
@@ -216,8 +216,8 @@ def test_preprocess_rewrites_the_signed_config(clf):
 def test_spec_stats_show_the_decision():
     from types import SimpleNamespace
 
-    from specserve.engine import SpecStats
-    from specserve.triton.service import _spec_stats
+    from specserve.core.engine import SpecStats
+    from specserve.serving.verifier_service import _spec_stats
 
     decision = {"decision": "fallback", "method": "ngram", "text_type": "prose", "prob": 0.99,
                 "dflash_text_types": ["code"]}
@@ -269,7 +269,7 @@ def test_renderer_serves_the_classifier_and_configures_preprocess(tmp_path):
 
 
 def test_cli_resolves_the_classifier():
-    from specserve.cli import CliError, resolve_text_classifier
+    from specserve.cli.main import CliError, resolve_text_classifier
 
     served = ["none", "ngram", GATED_METHOD]
     assert resolve_text_classifier(TARGET, None, False, served) == str(CLASSIFIER.resolve())   # found beside it

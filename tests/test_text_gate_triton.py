@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 
 from conftest import make_served_checkpoint, running_server
-from specserve.cli import SERVE_TRITON_ARGS
-from specserve.triton import drafters, schema
+from specserve.cli.main import SERVE_TRITON_ARGS
+from specserve.triton import drafters
+from specserve.serving import schema
 from specserve.triton.client import CompletionError, StreamClient, build_inputs
-from specserve.triton.params import RequestConfig
+from specserve.serving.params import RequestConfig
 from specserve.triton.render import RepositorySettings, render_repository
-from specserve.triton.tiers import Tier
+from specserve.serving.tiers import Tier
 from streams import scrape_metrics
 
 pytestmark = pytest.mark.triton
@@ -103,7 +104,7 @@ def test_unloading_the_classifier_fails_nothing_is_counted_and_logged_once(serve
 
 
 def test_a_published_classifier_version_is_loaded_while_serving(server, monkeypatch, capsys):
-    from specserve.cli import main
+    from specserve.cli.main import main
 
     monkeypatch.setenv("SPECSERVE_ADMIN_KEY", server.admin_key)
     assert main(["drafters", "publish", "--classifier", str(CLASSIFIER), "--repository", str(server.repository),

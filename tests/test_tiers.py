@@ -11,13 +11,13 @@ import pytest
 import yaml
 
 from conftest import make_tiny_checkpoint
-from specserve.admission import PriorityAging
-from specserve.triton import schema
-from specserve.triton.params import BadRequest, RequestConfig, make_request_config
-from specserve.triton.tiers import ServerLimits, Tier, TierError, load_tiers, parse_tiers
+from specserve.core.scheduling import PriorityAging
+from specserve.serving import schema
+from specserve.serving.params import BadRequest, RequestConfig, make_request_config
+from specserve.serving.tiers import ServerLimits, Tier, TierError, load_tiers, parse_tiers
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "ensemble_configs" / "tiers.yaml"
+EXAMPLE = ROOT / "config" / "tiers.yaml"
 DEMO = ROOT / "models" / "demo" / "target"
 # What `specserve serve` on the demo model (EAGLE drafter beside it) serves.
 SERVED = ServerLimits(("none", "ngram", "eagle", "dspark"), max_draft_len=8, max_model_len=2048,
@@ -137,8 +137,8 @@ def test_max_tokens_is_a_limit_not_a_default():
 
 
 def test_the_default_max_tokens_is_the_engines():
-    from specserve.sampling import SamplingParams
-    from specserve.triton.params import DEFAULT_MAX_TOKENS
+    from specserve.core.sampling import SamplingParams
+    from specserve.serving.params import DEFAULT_MAX_TOKENS
     assert DEFAULT_MAX_TOKENS == SamplingParams().max_tokens
 
 
@@ -148,8 +148,8 @@ def test_priority_is_not_a_client_key():
 
 
 def test_preprocess_signs_the_tier_settings():
-    from specserve.triton.auth import check_signature
-    from specserve.triton.preprocess import Preprocessor
+    from specserve.serving.auth import check_signature
+    from specserve.serving.preprocess import Preprocessor
 
     pre = Preprocessor(DEMO, CODE, max_model_len=256, internal_key="k")
     out = pre("def f(x):", True, json.dumps({"max_tokens": 20}), None)
@@ -248,8 +248,8 @@ def engine_ckpt(tmp_path_factory):
 
 
 def _engine(path, aging_steps: int):
-    from specserve.engine import Engine, EngineConfig
-    from specserve.model import load_model
+    from specserve.core.engine import Engine, EngineConfig
+    from specserve.model.transformer import load_model
 
     # One KV slot: every request after the first waits, and each holds the slot for two steps
     # (prefill emits its first token, one decode step its second and last).
@@ -258,8 +258,8 @@ def _engine(path, aging_steps: int):
 
 
 def _req(rid: str, priority: int):
-    from specserve.engine import GenerationRequest
-    from specserve.sampling import SamplingParams
+    from specserve.core.engine import GenerationRequest
+    from specserve.core.sampling import SamplingParams
     return GenerationRequest(rid, [5, 6, 7], SamplingParams(max_tokens=2), priority=priority)
 
 
@@ -323,7 +323,7 @@ class _Switchable:
         self.available = available
 
     def propose(self, requests):
-        from specserve.proposers.base import Draft
+        from specserve.core.proposer import Draft
         assert self.available, "an unavailable proposer's request should have started on its fallback"
         return [Draft.empty() for _ in requests]
 
@@ -335,10 +335,10 @@ class _Switchable:
 
 
 def test_a_request_starts_on_its_fallback_when_its_drafter_is_unavailable(engine_ckpt):
-    from specserve.engine import Engine, EngineConfig, GenerationRequest
-    from specserve.model import load_model
-    from specserve.proposers.ngram import NgramProposer
-    from specserve.sampling import SamplingParams
+    from specserve.core.engine import Engine, EngineConfig, GenerationRequest
+    from specserve.model.transformer import load_model
+    from specserve.methods.ngram.proposer import NgramProposer
+    from specserve.core.sampling import SamplingParams
 
     drafter = _Switchable(available=False)
     eng = Engine(load_model(engine_ckpt), EngineConfig(max_num_seqs=2, max_model_len=64),
@@ -357,7 +357,7 @@ def test_a_request_starts_on_its_fallback_when_its_drafter_is_unavailable(engine
 
 
 def test_the_remote_proposer_is_unavailable_while_backing_off():
-    from specserve.proposers.remote import RemoteProposer
+    from specserve.methods.remote import RemoteProposer
 
     now = [100.0]
     p = RemoteProposer("eagle", call=lambda batch: {}, clock=lambda: now[0])
@@ -369,7 +369,7 @@ def test_the_remote_proposer_is_unavailable_while_backing_off():
 
 
 def test_the_engine_refuses_a_priority_out_of_range(engine_ckpt):
-    from specserve.engine import RequestRejected
+    from specserve.core.engine import RequestRejected
     eng = _engine(engine_ckpt, aging_steps=2)
     with pytest.raises(RequestRejected, match=r"^priority must be an integer in \[0, 9\], got 12$"):
         eng.submit(_req("x", 12))
@@ -378,7 +378,7 @@ def test_the_engine_refuses_a_priority_out_of_range(engine_ckpt):
 def test_priority_travels_from_the_tier_to_the_engine_and_spec_stats_carry_the_tier(engine_ckpt):
     import threading
 
-    from specserve.triton.service import VerifierService
+    from specserve.serving.verifier_service import VerifierService
 
     eng = _engine(engine_ckpt, aging_steps=2)
     svc = VerifierService(eng)
@@ -449,9 +449,9 @@ def test_the_native_calibration_head_equals_the_python_models(tmp_path):
     import numpy as np
     import onnxruntime as ort
 
-    from specserve.model import load_model
-    from specserve.proposers.eagle import save_eagle
-    from specserve.proposers.eagle_onnx import CalibrationOnnxRuntime
+    from specserve.model.transformer import load_model
+    from specserve.methods.eagle.proposer import save_eagle
+    from specserve.methods.eagle.onnx_runtime import CalibrationOnnxRuntime
     from specserve.triton.render import render_eagle_proposal
     from test_eagle import random_drafter
 
@@ -478,7 +478,7 @@ def test_the_native_calibration_head_equals_the_python_models(tmp_path):
 
 # -- the CLI refuses before any server starts -------------------------------------------------------------
 def _serve(tmp_path, *flags):
-    from specserve.cli import main
+    from specserve.cli.main import main
     from specserve.triton.launch import Ports
 
     ports = Ports.free()

@@ -10,13 +10,13 @@ import pytest
 import yaml
 
 from conftest import make_served_checkpoint, running_server
-from specserve.cli import SERVE_TRITON_ARGS, main
-from specserve.model import load_model
-from specserve.proposers.eagle import save_eagle
+from specserve.cli.main import SERVE_TRITON_ARGS, main
+from specserve.model.transformer import load_model
+from specserve.methods.eagle.proposer import save_eagle
 from specserve.triton import tier_control
 from specserve.triton.client import CompletionError, StreamClient
 from specserve.triton.render import RepositorySettings, render_repository
-from specserve.triton.tiers import Tier, TierError
+from specserve.serving.tiers import Tier, TierError
 from streams import during_streams
 from test_eagle import random_drafter
 

@@ -1,4 +1,4 @@
-"""export/train_eagle.py: runs end to end on a tiny target, is deterministic, and resumes exactly."""
+"""training/train_eagle.py: runs end to end on a tiny target, is deterministic, and resumes exactly."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 
 from conftest import make_tiny_checkpoint
-from specserve.model import load_model
-from specserve.proposers.eagle import load_eagle
-from specserve.tiny import CORPUS, train_tiny_tokenizer
+from specserve.model.transformer import load_model
+from specserve.methods.eagle.proposer import load_eagle
+from specserve.model.tiny import CORPUS, train_tiny_tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "export"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 import train_eagle  # noqa: E402
 
 
@@ -51,7 +51,7 @@ def test_train_eagle_is_deterministic_and_resumes(tmp_path):
 
 
 def test_the_shared_run_checkpoint_round_trips_a_run(tmp_path):
-    """export/run_checkpoint.py (every trainer's resume point): weights under the script's key,
+    """training/run_checkpoint.py (every trainer's resume point): weights under the script's key,
     optimizer, schedule, step and extras come back; no file → a fresh run."""
     from run_checkpoint import resume, save
 

@@ -14,13 +14,13 @@ import pytest
 from google.protobuf import text_format
 
 from conftest import make_served_checkpoint
-from specserve.triton import schema
-from specserve.triton.detokenize import TokenWindow, make_window, stable, text_delta
-from specserve.triton.params import BadRequest, make_request_config, parse_sampling_parameters
+from specserve.serving import schema
+from specserve.serving.detokenize import TokenWindow, make_window, stable, text_delta
+from specserve.serving.params import BadRequest, make_request_config, parse_sampling_parameters
 from specserve.triton.render import RepositorySettings, render_repository
-from specserve.engine import GenerationRequest
-from specserve.model import CheckpointError
-from specserve.sampling import SamplingParams
+from specserve.core.engine import GenerationRequest
+from specserve.model.transformer import CheckpointError
+from specserve.core.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def decode(ckpt):
-    from specserve.triton.tokenizer import load_tokenizer, make_decode
+    from specserve.model.tokenizer import load_tokenizer, make_decode
     return make_decode(load_tokenizer(ckpt))
 
 
@@ -80,7 +80,7 @@ def test_stable_holds_back_at_most_three_replacement_characters():
 
 
 def test_split_character_is_held_back_until_complete(decode, ckpt):
-    from specserve.triton.tokenizer import load_tokenizer
+    from specserve.model.tokenizer import load_tokenizer
     tok = load_tokenizer(ckpt)
     ids = tok.encode("a龘").ids            # 龘 = E9 BE 98, not in the corpus: one token per byte
     assert len(ids) == 4
@@ -92,7 +92,7 @@ def _byte_fallback_tokenizer():
     """Llama-2 / Mistral style: metaspace, byte-fallback tokens, a decoder that strips the first space."""
     from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 
-    from specserve.tiny import CORPUS
+    from specserve.model.tiny import CORPUS
     tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
@@ -106,7 +106,7 @@ def _byte_fallback_tokenizer():
 @pytest.mark.parametrize("style", ["byte-level", "byte-fallback"])
 def test_streamed_pieces_concatenate_to_the_full_decode(ckpt, style):
     """Random token streams (mostly invalid UTF-8) cut into random chunks, windows included."""
-    from specserve.triton.tokenizer import load_tokenizer, make_decode
+    from specserve.model.tokenizer import load_tokenizer, make_decode
     tok = load_tokenizer(ckpt) if style == "byte-level" else _byte_fallback_tokenizer()
     decode = make_decode(tok)
     rng = random.Random(0)
@@ -195,8 +195,8 @@ class FakeSender:
 
 @pytest.fixture(scope="module")
 def service(ckpt):
-    from specserve.triton.factory import EngineSettings, build_engine
-    from specserve.triton.service import VerifierService
+    from specserve.serving.build import EngineSettings, build_engine
+    from specserve.serving.verifier_service import VerifierService
     engine, _ = build_engine(EngineSettings(ckpt, max_num_seqs=4, max_model_len=256))
     svc = VerifierService(engine)
     yield svc
@@ -204,7 +204,7 @@ def service(ckpt):
 
 
 def test_service_streams_windows_that_rebuild_the_text(service, decode):
-    from specserve.triton.params import RequestConfig
+    from specserve.serving.params import RequestConfig
     sender = FakeSender()
     prompt = [5, 6, 7]
     service.submit(prompt, RequestConfig(sampling={"max_tokens": 12}, stream=True), sender)
@@ -220,8 +220,8 @@ def test_service_streams_windows_that_rebuild_the_text(service, decode):
 
 
 def test_service_rejects_with_a_message_and_cancels(service):
-    from specserve.engine import RequestRejected
-    from specserve.triton.params import RequestConfig
+    from specserve.core.engine import RequestRejected
+    from specserve.serving.params import RequestConfig
     with pytest.raises(RequestRejected, match="unknown spec_method"):
         service.submit([1, 2], RequestConfig(spec_method="nope"), FakeSender())
     sender = FakeSender(delay=0.02)  # 240 tokens take ~5 s, far longer than the watcher's poll
@@ -249,7 +249,7 @@ def test_numbers_and_booleans_as_strings_are_accepted_like_the_vllm_backend():
 def test_build_engine_dtype(ckpt):
     import torch
 
-    from specserve.triton.factory import EngineSettings, build_engine
+    from specserve.serving.build import EngineSettings, build_engine
     engine, _ = build_engine(EngineSettings(ckpt, max_num_seqs=1, max_model_len=64, dtype="bfloat16"))
     assert engine.model.dtype == torch.bfloat16 and engine.cache.k.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, got 'float16'"):
@@ -261,8 +261,8 @@ def test_engine_is_built_and_run_on_the_loop_thread(ckpt):
     the caller of start() instead of leaving a loop without an engine."""
     import threading
 
-    from specserve.engine_loop import EngineLoop
-    from specserve.triton.factory import EngineSettings, build_engine
+    from specserve.core.engine_loop import EngineLoop
+    from specserve.serving.build import EngineSettings, build_engine
 
     seen = []
 
@@ -290,8 +290,8 @@ def test_engine_is_built_and_run_on_the_loop_thread(ckpt):
 def test_drafter_dtype_resolution(ckpt):
     import torch
 
-    from specserve.model import load_model
-    from specserve.triton.factory import resolve_drafter_dtype
+    from specserve.model.transformer import load_model
+    from specserve.serving.build import resolve_drafter_dtype
     model = load_model(ckpt)
     want = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
     assert resolve_drafter_dtype("auto", model) == want

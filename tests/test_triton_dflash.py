@@ -12,7 +12,7 @@ import pytest
 from specserve.triton.client import CompletionError, StreamClient
 from conftest import running_server
 from specserve.triton.render import RepositorySettings, render_repository
-from specserve.triton.tiers import Tier
+from specserve.serving.tiers import Tier
 
 pytestmark = pytest.mark.triton
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from conftest import make_tiny_checkpoint
-from specserve.model import load_model
-from specserve.proposers.eagle import save_eagle
-from specserve.proposers.mtp import MTPConfig, MTPHeads, _target_fields, save_mtp_heads
-from specserve.tiny import train_tiny_tokenizer
+from specserve.model.transformer import load_model
+from specserve.methods.eagle.proposer import save_eagle
+from specserve.methods.mtp.heads import MTPConfig, MTPHeads, _target_fields, save_mtp_heads
+from specserve.model.tiny import train_tiny_tokenizer
 from specserve.triton import drafters
 from specserve.triton.client import CompletionError, StreamClient
 from specserve.triton.launch import TritonServer

@@ -27,7 +27,7 @@ from conftest import make_tiny_checkpoint
 from specserve.triton.client import CompletionError, StreamClient, build_inputs
 from specserve.triton.launch import TritonServer
 from specserve.triton.render import RepositorySettings, render_repository
-from specserve.tiny import train_tiny_tokenizer
+from specserve.model.tiny import train_tiny_tokenizer
 from streams import scrape_metrics
 
 pytestmark = pytest.mark.triton
@@ -383,7 +383,7 @@ def _preprocess(dep, prompt: str, sampling: dict) -> dict:
     import numpy as np
     import tritonclient.grpc as grpcclient
 
-    from specserve.triton import schema
+    from specserve.serving import schema
     client = grpcclient.InferenceServerClient(dep.server.grpc_url)
     inputs = [_tensor(schema.TEXT_INPUT.name, np.array([prompt.encode()], dtype=object), "BYTES"),
               _tensor(schema.SAMPLING_PARAMETERS.name, np.array([json.dumps(sampling).encode()], dtype=object), "BYTES"),
@@ -396,7 +396,7 @@ def _verifier_stream(dep, tensors: dict):
     """Start a direct target_verifier stream with the given {name: array} inputs."""
     import tritonclient.grpc as grpcclient
     dtypes = {"INT64": "INT64", "STRING": "BYTES"}
-    from specserve.triton import schema
+    from specserve.serving import schema
     specs = {t.name: t for t in schema.TARGET_VERIFIER.inputs}
     client = grpcclient.InferenceServerClient(dep.server.grpc_url)
     results: queue.Queue = queue.Queue()
@@ -412,8 +412,8 @@ def test_direct_calls_to_target_verifier_get_no_more_than_the_ensemble_allows(de
     client goes; and no request id lets it cancel another client's stream."""
     import numpy as np
 
-    from specserve.triton import schema
-    from specserve.triton.params import RequestConfig
+    from specserve.serving import schema
+    from specserve.serving.params import RequestConfig
     dep = deployments["qwen2"]
 
     # 1. Unsigned (hand-made ids and config): refused.

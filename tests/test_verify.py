@@ -13,9 +13,9 @@ import itertools
 import pytest
 import torch
 
-from specserve.proposers.base import Draft
-from specserve.sampling import SamplingParams, target_probs
-from specserve.verify import Verdict, verify, verify_greedy, verify_sampled
+from specserve.core.proposer import Draft
+from specserve.core.sampling import SamplingParams, target_probs
+from specserve.core.verify import Verdict, verify, verify_greedy, verify_sampled
 
 V = 5
 DEPTH = 6

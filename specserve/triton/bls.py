@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specserve.triton import schema
-from specserve.triton.schema import ModelSpec
+from specserve.serving import schema
+from specserve.serving.schema import ModelSpec
 
 
 def _request(spec: ModelSpec, inputs: dict[str, np.ndarray], outputs: tuple[str, ...]):
@@ -45,7 +45,7 @@ def release_call(spec: ModelSpec = schema.EAGLE_BACKBONE):
 def text_type_call(spec: ModelSpec = schema.TEXT_CLASSIFIER):
     """`classify(text) → Classification` for the text-type gate; any failure (the model unloaded,
     restarting or erroring) raises ClassifierUnavailable, which keeps the request's method."""
-    from specserve.text_gate import Classification, ClassifierUnavailable
+    from specserve.serving.text_gate import Classification, ClassifierUnavailable
 
     outputs = (schema.TEXT_TYPE.name, schema.TEXT_TYPE_PROB.name)
 

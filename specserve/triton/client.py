@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from specserve.triton import schema
+from specserve.serving import schema
 
 
 class CompletionError(RuntimeError):

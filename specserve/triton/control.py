@@ -14,7 +14,7 @@ import queue
 
 import numpy as np
 
-from specserve.triton import schema
+from specserve.serving import schema
 
 
 class ControlError(RuntimeError):

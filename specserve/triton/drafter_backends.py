@@ -4,7 +4,7 @@
                                    pip-installed tritonserver has)
     --drafter-backend onnxruntime  Triton's onnxruntime backend (platform onnxruntime_onnx)
     --drafter-backend tensorrt     Triton's tensorrt backend (platform tensorrt_plan, a plan built
-                                   from the ONNX by export/build_trt.py; GPU machines only)
+                                   from the ONNX by training/build_trt.py; GPU machines only)
 
 A native backend runs a model as a pure function of one request's tensors. That fits the
 calibration head (draft features → acceptance probabilities). It does not fit eagle_backbone,
@@ -23,8 +23,8 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-from specserve.triton import schema
-from specserve.triton.schema import ModelSpec
+from specserve.serving import schema
+from specserve.serving.schema import ModelSpec
 
 BACKENDS = ("python", "onnxruntime", "tensorrt")
 PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan"}
@@ -104,10 +104,10 @@ def export_native_calibration(drafter, path: Path, tol: float = 1e-4) -> None:
 
 
 def build_plan(onnx_path: Path, plan_path: Path, hidden_size: int, max_num_seqs: int, max_draft_len: int) -> None:
-    """A TensorRT plan for the native calibration head, by export/build_trt.py's builder."""
+    """A TensorRT plan for the native calibration head, by training/build_trt.py's builder."""
     import importlib.util
 
-    script = Path(__file__).resolve().parents[2] / "export" / "build_trt.py"
+    script = Path(__file__).resolve().parents[2] / "training" / "build_trt.py"
     spec = importlib.util.spec_from_file_location("specserve_build_trt", script)
     build_trt = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build_trt)

@@ -13,11 +13,11 @@ or a later `load eagle_proposal`, Triton switches to it while streams keep runni
 Model control is admin-only (auth.py): every command sends the admin key, from
 $SPECSERVE_ADMIN_KEY or the key file `specserve serve` wrote (<work dir>/admin_key).
 
-text_classifier, the text-type gate's classifier (specserve/text_gate.py), loads and unloads the
+text_classifier, the text-type gate's classifier (specserve/serving/text_gate.py), loads and unloads the
 same way; while it is unloaded, dflash requests keep dflash (counted, logged once).
 
 Unloading a drafter never fails a request: the engine decodes the affected sequences plainly
-while it is gone and re-primes them when it is back (specserve/proposers/remote.py).
+while it is gone and re-primes them when it is back (specserve/methods/remote.py).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from specserve.triton import schema
-from specserve.triton.auth import grpc_headers
+from specserve.serving import schema
+from specserve.serving.auth import grpc_headers
 
 # The models an operator may load / unload: every remote proposal ensemble and its parts, as
 # registered once in schema.REMOTE_PROPOSALS. The engine (target_verifier) and the llm ensembles
@@ -117,7 +117,7 @@ def publish(target: Path, drafter: Path, repository: Path) -> int:
 def publish_classifier(folder: Path, repository: Path) -> int:
     """Write a (retrained) text-type classifier as the next version of text_classifier; returns
     that version. `load text_classifier` then switches to it."""
-    from specserve.text_gate import GateError
+    from specserve.serving.text_gate import GateError
     from specserve.triton.render import render_text_classifier
 
     name = schema.TEXT_CLASSIFIER.name

@@ -40,7 +40,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specserve.triton.auth import grpc_headers, new_key, restricted_api_args
+from specserve.serving.auth import grpc_headers, new_key, restricted_api_args
 
 NGC_ROOT = Path("/opt/tritonserver")
 

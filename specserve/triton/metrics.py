@@ -155,7 +155,7 @@ class TritonMetrics:
 
 class TextGateMetrics:
     """`specserve_text_gate_total{decision, tier}` from preprocess: one per request the text-type
-    gate acted on (decision dflash | fallback | unavailable; specserve/text_gate.py)."""
+    gate acted on (decision dflash | fallback | unavailable; specserve/serving/text_gate.py)."""
 
     NAME = "specserve_text_gate_total"
 

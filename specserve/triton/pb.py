@@ -9,7 +9,7 @@ import logging
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specserve.triton.schema import RELEASE_IDS, TensorSpec
+from specserve.serving.schema import RELEASE_IDS, TensorSpec
 
 
 def model_parameters(args: dict) -> dict[str, str]:

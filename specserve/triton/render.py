@@ -37,12 +37,12 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specserve.text_gate import DEFAULT_DFLASH_TYPES
-from specserve.triton import schema
-from specserve.triton.auth import new_key
-from specserve.triton.factory import FUSED_ONLY, EngineSettings, mtp_runs_remote
-from specserve.triton.schema import ModelSpec, TensorSpec
-from specserve.triton.tiers import Tier
+from specserve.serving.text_gate import DEFAULT_DFLASH_TYPES
+from specserve.serving import schema
+from specserve.serving.auth import new_key
+from specserve.serving.build import FUSED_ONLY, EngineSettings, mtp_runs_remote
+from specserve.serving.schema import ModelSpec, TensorSpec
+from specserve.serving.tiers import Tier
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "model_repository"
 
@@ -216,7 +216,7 @@ def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
 
 def text_gate_parameter(settings: RepositorySettings) -> str:
     """preprocess's `text_gate` parameter: "" without a classifier, else the gate's settings."""
-    from specserve.text_gate import check_text_types
+    from specserve.serving.text_gate import check_text_types
 
     if settings.text_classifier is None:
         return ""
@@ -228,7 +228,7 @@ def render_text_classifier(folder: Path, repo: Path, *, version: int) -> None:
     """Version `version` of text_classifier from a classifier folder (checked here, so a bad
     folder is named before any server starts). A later version (a retrained classifier) is the
     same call with version + 1, then `specserve drafters load text_classifier`."""
-    from specserve.text_gate import CONFIG_FILE, MODEL_FILE, ClassifierConfig, GateError
+    from specserve.serving.text_gate import CONFIG_FILE, MODEL_FILE, ClassifierConfig, GateError
 
     ClassifierConfig.load(folder)
     if not (folder / MODEL_FILE).is_file():
@@ -246,7 +246,7 @@ def render_mtp_proposal(settings: RepositorySettings, repo: Path) -> None:
     """mtp_proposal and its own models: ngram_drafter and mtp_arbiter always, mtp_heads and
     draft_drafter where their weights are served (factory.mtp_subproposers, as the engine's
     remote mtp); the EAGLE models are render_eagle_proposal's."""
-    from specserve.triton.factory import MTP_SUBPROPOSERS, mtp_subproposers
+    from specserve.serving.build import MTP_SUBPROPOSERS, mtp_subproposers
 
     served = mtp_subproposers(settings.drafters)
     folders = {sub: Path(dict(settings.drafters)[m]) for sub, m in MTP_SUBPROPOSERS.items() if m and sub in served}
@@ -273,8 +273,8 @@ def _template(spec: ModelSpec, repo: Path, version: int) -> Path:
 def render_mtp_heads(checkpoint: Path, folder: Path, repo: Path, *, version: int) -> None:
     """Version `version` of mtp_heads: the heads in `folder` (checked against the target) exported
     to ONNX in fp32 with the target's LM head embedded (mtp.export_mtp_onnx)."""
-    from specserve.model import load_model
-    from specserve.proposers.mtp import export_mtp_onnx, load_mtp_heads
+    from specserve.model.transformer import load_model
+    from specserve.methods.mtp.heads import export_mtp_onnx, load_mtp_heads
 
     heads = load_mtp_heads(folder, load_model(checkpoint))
     export_mtp_onnx(heads, _template(schema.MTP_HEADS, repo, version) / "mtp_heads.onnx")
@@ -284,8 +284,8 @@ def render_mtp_heads(checkpoint: Path, folder: Path, repo: Path, *, version: int
 def render_draft_drafter(settings: RepositorySettings, folder: Path, repo: Path, *, version: int) -> None:
     """Version `version` of draft_drafter: a copy of the draft model's folder (its config, weights
     and tokenizer), refused here already when its tokenizer does not give the target's ids."""
-    from specserve.proposers.draft_model import check_tokenizer
-    from specserve.triton.tokenizer import load_tokenizer
+    from specserve.methods.draft.proposer import check_tokenizer
+    from specserve.model.tokenizer import load_tokenizer
 
     check_tokenizer(load_tokenizer(settings.checkpoint), load_tokenizer(folder))
     dest = _template(schema.DRAFT_DRAFTER, repo, version) / "draft"
@@ -323,9 +323,9 @@ def render_eagle_proposal(checkpoint: Path, drafter_dir: Path, repo: Path, *, ve
     drafter) is the same call with version + 1, then `specserve drafters load eagle_proposal`.
     `backend` (drafter_backends.py) applies to the stateless calibration head; eagle_backbone
     is always a Python model (it holds per-sequence state)."""
-    from specserve.model import load_model
-    from specserve.proposers.eagle import load_eagle
-    from specserve.proposers.eagle_export import export
+    from specserve.model.transformer import load_model
+    from specserve.methods.eagle.proposer import load_eagle
+    from specserve.methods.eagle.export import export
     from specserve.triton import drafter_backends as db
 
     target = load_model(checkpoint)

@@ -24,9 +24,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from specserve.triton import schema
-from specserve.triton.auth import grpc_headers
-from specserve.triton.tiers import ServerLimits, Tier, TierError, default_tier, parse_tiers
+from specserve.serving import schema
+from specserve.serving.auth import grpc_headers
+from specserve.serving.tiers import ServerLimits, Tier, TierError, default_tier, parse_tiers
 
 TIER_SETTINGS = "tier_settings"   # the preprocess_<tier> parameter that carries Tier.to_json()
 
@@ -75,7 +75,7 @@ def _params(config: dict) -> dict[str, str]:
 
 def server_limits(client, key: str | None) -> ServerLimits:
     """What the running server serves, from target_verifier's rendered parameters."""
-    from specserve.triton.factory import STATIC_METHODS, EngineSettings, available_methods
+    from specserve.serving.build import STATIC_METHODS, EngineSettings, available_methods
     from specserve.triton.render import decode_drafters
 
     p = _params(_config(client, schema.TARGET_VERIFIER.name, key))

@@ -1,13 +1,14 @@
 """calibration_head: predicted acceptance probability of each drafted position (ONNX under
-onnxruntime; specserve.proposers.eagle_onnx.CalibrationOnnxRuntime)."""
+onnxruntime; specserve.methods.eagle.onnx_runtime.CalibrationOnnxRuntime)."""
 
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specserve.proposers.eagle_onnx import CalibrationOnnxRuntime
-from specserve.triton import pb, schema
+from specserve.methods.eagle.onnx_runtime import CalibrationOnnxRuntime
+from specserve.triton import pb
+from specserve.serving import schema
 
 
 class TritonPythonModel:

@@ -14,8 +14,9 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from specserve.proposers.remote_mtp_drafters import DraftModelService, load_remote_draft
-from specserve.triton import pb, schema
+from specserve.methods.mtp.remote_drafters import DraftModelService, load_remote_draft
+from specserve.triton import pb
+from specserve.serving import schema
 
 DRAFT_INPUTS = (schema.SEQ_IDS.name, schema.CONTEXT_TOKENS.name, schema.MAX_DRAFT_LEN.name)
 SPECS = {t.name: t for t in schema.DRAFT_DRAFTER.inputs}

@@ -1,5 +1,5 @@
 """eagle_backbone: the EAGLE drafter's ONNX backbone with per-sequence state
-(specserve.proposers.eagle_onnx). One instance, so the state of a sequence is always here.
+(specserve.methods.eagle.onnx_runtime). One instance, so the state of a sequence is always here.
 
 A request either drafts (seq_ids, valid_from, num_new, features, next_tokens, max_draft_len) or
 releases finished sequences (release_ids alone; answered with empty outputs).
@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specserve.proposers.eagle_onnx import DraftBatch, EagleOnnxRuntime
-from specserve.triton import pb, schema
+from specserve.methods.eagle.onnx_runtime import DraftBatch, EagleOnnxRuntime
+from specserve.triton import pb
+from specserve.serving import schema
 
 DRAFT_INPUTS = ("seq_ids", "valid_from", "num_new", "features", "next_tokens", "max_draft_len")
 SPECS = {t.name: t for t in schema.EAGLE_BACKBONE.inputs}

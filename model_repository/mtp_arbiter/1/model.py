@@ -1,12 +1,13 @@
 """mtp_arbiter: merges the drafters' drafts of each row into one tree of at most the row's budget
-nodes (specserve.proposers.arbiter via remote_mtp.arbitrate_batch). Stateless; every drafter
+nodes (specserve.methods.mtp.arbiter via remote_mtp.arbitrate_batch). Stateless; every drafter
 input is optional (the engine's fallback calls it with the drafters that are still loaded)."""
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specserve.proposers.remote_mtp import arbitrate_batch
-from specserve.triton import pb, schema
+from specserve.methods.mtp.remote import arbitrate_batch
+from specserve.triton import pb
+from specserve.serving import schema
 
 
 class TritonPythonModel:

@@ -1,6 +1,6 @@
 """postprocess: one target_verifier response → text_output and the counters (stateless).
 
-Also the one place that sees a client's cancellation (see specserve/triton/schema.py): a
+Also the one place that sees a client's cancellation (see specserve/serving/schema.py): a
 cancelled response makes it tell target_verifier, by BLS, to cancel the engine request.
 """
 
@@ -10,9 +10,10 @@ from collections import deque
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specserve.triton import pb, schema
-from specserve.triton.detokenize import ResponseMeta, TokenWindow, text_delta
-from specserve.triton.tokenizer import load_tokenizer, make_decode
+from specserve.triton import pb
+from specserve.serving import schema
+from specserve.serving.detokenize import ResponseMeta, TokenWindow, text_delta
+from specserve.model.tokenizer import load_tokenizer, make_decode
 
 
 class TritonPythonModel:

@@ -1,12 +1,13 @@
-"""preprocess: tokenize text_input and normalise the request's parameters (specserve.triton.preprocess)."""
+"""preprocess: tokenize text_input and normalise the request's parameters (specserve.serving.preprocess)."""
 
 import json
 
 import triton_python_backend_utils as pb_utils
 
-from specserve.triton import pb, schema
-from specserve.triton.preprocess import Preprocessor
-from specserve.triton.tiers import Tier
+from specserve.triton import pb
+from specserve.serving import schema
+from specserve.serving.preprocess import Preprocessor
+from specserve.serving.tiers import Tier
 
 
 class TritonPythonModel:
@@ -17,7 +18,7 @@ class TritonPythonModel:
         self.metrics = None
         gate = None
         if params.get("text_gate"):   # a text_classifier is served (render.py): gate dflash requests
-            from specserve.text_gate import TextGate
+            from specserve.serving.text_gate import TextGate
             from specserve.triton import bls
             from specserve.triton.metrics import TextGateMetrics
 

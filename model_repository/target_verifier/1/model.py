@@ -1,9 +1,9 @@
-"""target_verifier: the engine, as a decoupled model (specserve.triton.service).
+"""target_verifier: the engine, as a decoupled model (specserve.serving.verifier_service).
 
 execute() only queues: each request goes to the engine's continuous batch and its responses are
 streamed back later, from the engine thread, through the request's response sender.
 
-Three kinds of request arrive (see specserve/triton/auth.py for the keys):
+Three kinds of request arrive (see specserve/serving/auth.py for the keys):
   * a generation request from the ensemble: input_ids + request_config + preprocess's signature;
   * a cancellation from postprocess (cancel_request_id + internal_key);
   * a shutdown control from `specserve serve` (control + internal_key): drain | abort | status.
@@ -13,12 +13,13 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
-from specserve.triton import auth, pb, schema
-from specserve.triton.factory import build_engine
+from specserve.serving import auth, schema
+from specserve.triton import pb
+from specserve.serving.build import build_engine
 from specserve.triton.metrics import TritonMetrics
-from specserve.triton.params import RequestConfig
+from specserve.serving.params import RequestConfig
 from specserve.triton.render import verifier_settings
-from specserve.triton.service import VerifierResponse, VerifierService
+from specserve.serving.verifier_service import VerifierResponse, VerifierService
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # This model's own input specs (all optional here; see schema.py), by name.

@@ -1,10 +1,11 @@
-"""text_classifier: the text-type gate's classifier (specserve.text_gate.TextClassifier: features in
+"""text_classifier: the text-type gate's classifier (specserve.serving.text_gate.TextClassifier: features in
 numpy, the MLP under onnxruntime). Its version folder holds model.onnx and config.json."""
 
 from pathlib import Path
 
-from specserve.text_gate import TextClassifier
-from specserve.triton import pb, schema
+from specserve.serving.text_gate import TextClassifier
+from specserve.triton import pb
+from specserve.serving import schema
 
 
 class TritonPythonModel:

@@ -1,0 +1,594 @@
+"""specserve: lossless speculative decoding served by Triton.
+
+The `specserve` command. Subcommands register themselves in COMMANDS (serve now; bench,
+drafters, … as they are built).
+
+    specserve serve --target models/demo/target [--http-port 8000] [--grpc-port 8001]
+                    [--metrics-port 8002] [--max-num-seqs 16] [--max-model-len L] [--work-dir W]
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Callable
+
+from specserve.serving.auth import ADMIN_KEY_ENV, ADMIN_KEY_FILE
+from specserve.core.draft_policy import POLICIES
+from specserve.serving.build import DRAFTER_DTYPES, DTYPES
+
+# Kubernetes' terminationGracePeriodSeconds in deploy/k8s must exceed this (tests check it).
+DRAIN_TIMEOUT_S = 30.0
+
+
+class CliError(Exception):
+    """A problem the user can fix; printed without a traceback, exit status 2."""
+
+
+# -- serve ---------------------------------------------------------------------------------------
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="render a model repository for a checkpoint and run tritonserver",
+                       description="Render a Triton model repository for a Hugging Face checkpoint folder "
+                                   "(config.json, *.safetensors, tokenizer.json) and run tritonserver in "
+                                   "the foreground. Ctrl-C stops it.")
+    p.add_argument("--target", required=True, type=Path, help="checkpoint folder of the target model")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded at once (KV slots)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output tokens per sequence (default: min(model limit, 2048))")
+    p.add_argument("--max-draft-len", type=int, default=8, help="drafted tokens per step, at most")
+    p.add_argument("--default-method", default=None,
+                   help="speculation method for requests that do not set spec_method "
+                        "(default: eagle when a drafter is served, else none)")
+    p.add_argument("--drafter", action="append", default=[], metavar="METHOD=DIR",
+                   help="serve a trained drafter, e.g. eagle=models/demo/eagle, dflash=models/demo/dflash or "
+                        "draft=models/demo/draft (repeatable); without it, drafters in folders named after "
+                        "their method beside the target are used")
+    p.add_argument("--no-drafters", action="store_true", help="serve no drafter even if one is found")
+    p.add_argument("--placement", choices=("fused", "remote"), default="fused",
+                   help="drafters inside the engine (fused) or as hot-loadable Triton models (remote, "
+                        "server in explicit model-control mode; see `specserve drafters`)")
+    p.add_argument("--mtp-placement", choices=("fused", "remote"), default="remote",
+                   help="where mtp's drafters run: remote (the mtp_proposal ensemble: each drafter a hot-loadable "
+                        "Triton model, all in parallel; needs an EAGLE drafter, else mtp runs fused) or fused "
+                        "(one after another inside the engine)")
+    p.add_argument("--spec-threshold", type=float, default=0.3,
+                   help="EAGLE stops drafting when the calibration head's predicted cumulative "
+                        "acceptance falls below this, DFlash when the product of its top-1 probabilities "
+                        "does (a request may override it with spec_threshold)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="compute dtype of the target; float32 (default) keeps greedy "
+                        "output token-exact vs plain decoding, bfloat16 is faster where the CPU/GPU has bf16 "
+                        "matmuls but may part from plain decoding at near-ties (bf16 rounding)")
+    p.add_argument("--drafter-dtype", choices=DRAFTER_DTYPES, default="auto",
+                   help="compute dtype of fused drafters (never changes the output, only the speed and the "
+                        "acceptance); auto = bfloat16 where the hardware has bf16 matmuls")
+    p.add_argument("--draft-policy", choices=POLICIES, default="adaptive",
+                   help="adaptive: each step drafts the length with the best expected goodput at the current "
+                        "load (verify costs profiled at start), so a busy server drafts less or not at all; "
+                        "fixed: always up to --max-draft-len. A request may choose with draft_policy")
+    p.add_argument("--max-queue-len", type=int, default=128,
+                   help="requests waiting for a KV slot, at most; beyond it requests are refused at once "
+                        "with 'server busy'")
+    p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
+                   help="on SIGTERM / Ctrl-C: seconds in-flight requests may keep streaming to their end "
+                        "(no new ones are accepted, the server reports not ready) before the rest are ended "
+                        "with an error and the server exits")
+    p.add_argument("--admin-key-file", type=Path, default=None,
+                   help=f"file holding the key that opens Triton's model-control and config endpoints "
+                        f"(default: ${ADMIN_KEY_ENV}, else WORK_DIR/{ADMIN_KEY_FILE}, made at start)")
+    p.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]",
+                   help="where the target, its KV pool, fused drafters and the static step run "
+                        "(auto: CUDA when available); float32 keeps greedy output token-exact on either")
+    p.add_argument("--work-dir", type=Path, default=Path("work_dirs/serve"),
+                   help="where the rendered repository, backends and logs go")
+    p.add_argument("--tiers", type=Path, default=None, metavar="FILE",
+                   help="service tiers (e.g. config/tiers.yaml): one ensemble llm_<tier> per tier with "
+                        "its method, settings, max_tokens limit and scheduling priority; checked before the "
+                        "server starts")
+    _add_text_gate(p)
+    p.add_argument("--drafter-backend", choices=("python", "onnxruntime", "tensorrt"), default="python",
+                   help="remote drafter models (--placement remote) on onnxruntime inside a Python model "
+                        "(python), or on Triton's native onnxruntime / tensorrt backend where a model is "
+                        "stateless (the calibration head; eagle_backbone keeps per-sequence state and stays "
+                        "Python). The server must have that backend (the pip tritonserver has only python)")
+    p.set_defaults(run=_serve)
+
+
+def _add_text_gate(p: argparse.ArgumentParser) -> None:
+    from specserve.serving.text_gate import DEFAULT_DFLASH_TYPES, TEXT_TYPES
+
+    p.add_argument("--text-classifier", type=Path, default=None, metavar="DIR",
+                   help="text-type gate for dflash requests (specserve/serving/text_gate.py): a classifier folder "
+                        "(model.onnx + config.json), served as the hot-loadable model text_classifier; without "
+                        "it, a folder 'text_classifier' beside the target is used when dflash is served")
+    p.add_argument("--dflash-block-size", type=int, default=None, metavar="B",
+                   help="dflash's block size B for requests that do not set dflash_block_size (drafts up to "
+                        "B - 1 tokens per step, and at most --max-draft-len); default: the drafter's config.json")
+    p.add_argument("--no-text-gate", action="store_true", help="no text-type gate: dflash runs for every text")
+    p.add_argument("--dflash-text-types", default=",".join(DEFAULT_DFLASH_TYPES), metavar="TYPES",
+                   help=f"comma list of the text types ({', '.join(TEXT_TYPES)}) whose dflash requests keep "
+                        f"dflash; the others run their fallback (spec_fallback, else the tier's fallback, else "
+                        f"ngram). A tier's proposer.dflash_text_types overrides it (default: %(default)s)")
+
+
+def resolve_text_classifier(target: Path, flag: Path | None, disabled: bool, methods: list[str]) -> str | None:
+    """The classifier folder of the text-type gate: --text-classifier, else one beside the target
+    when the gated method is served; None with --no-text-gate."""
+    from specserve.serving.text_gate import GateError, ClassifierConfig
+    from specserve.serving.build import GATED_METHOD
+
+    if disabled:
+        if flag is not None:
+            raise CliError("--text-classifier and --no-text-gate contradict each other")
+        return None
+    if flag is None:
+        beside = target.resolve().parent / "text_classifier"
+        if GATED_METHOD not in methods or not (beside / "config.json").is_file():
+            return None
+        flag = beside
+    elif GATED_METHOD not in methods:
+        raise CliError(f"--text-classifier gates {GATED_METHOD} requests, and this server does not serve "
+                       f"{GATED_METHOD}; served: {', '.join(methods)}")
+    try:
+        ClassifierConfig.load(flag)
+    except GateError as e:
+        raise CliError(f"--text-classifier: {e}") from None
+    return str(flag)
+
+
+def _check_port(port: int, flag: str) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            raise CliError(f"port {port} is already in use; choose another with {flag}") from None
+
+
+def check_checkpoint(target: Path, max_model_len: int | None) -> int:
+    """Fail fast, before starting a server, on a checkpoint the engine cannot serve.
+    Returns the max_model_len to use."""
+    from specserve.model.transformer import CheckpointError, load_config
+    from specserve.model.tokenizer import TokenizerError, load_tokenizer
+
+    try:
+        cfg = load_config(target)
+        load_tokenizer(target)
+    except (CheckpointError, TokenizerError) as e:
+        raise CliError(f"cannot serve {target}: {e}") from None
+    if not any(target.glob("*.safetensors")):
+        raise CliError(f"cannot serve {target}: no *.safetensors weights")
+    limit = cfg.max_position_embeddings
+    if max_model_len is None:
+        return min(limit, 2048)
+    if not 0 < max_model_len <= limit:
+        raise CliError(f"--max-model-len {max_model_len} must be in [1, {limit}] (the model's "
+                       f"max_position_embeddings)")
+    return max_model_len
+
+
+def resolve_drafters(target: Path, flags: list[str], disabled: bool) -> tuple[tuple[str, str], ...]:
+    """--drafter METHOD=DIR flags, else the drafters found beside the target (a folder named after
+    its method whose config.json says so: models/demo/eagle, …/dflash, …/draft, …/mtp)."""
+    import json
+
+    from specserve.serving.build import COMPOSITE_METHODS, DRAFTED
+
+    pairs = []
+    for flag in flags:
+        method, sep, folder = flag.partition("=")
+        if not sep or not folder:
+            raise CliError(f"--drafter expects METHOD=DIR, got {flag!r}")
+        if method not in (*DRAFTED, *COMPOSITE_METHODS):
+            raise CliError(f"--drafter: unknown method {method!r}; drafters: {', '.join((*DRAFTED, *COMPOSITE_METHODS))}")
+        if not (Path(folder) / "config.json").is_file():
+            raise CliError(f"--drafter {flag}: {folder} has no config.json")
+        pairs.append((method, folder))
+    if disabled:
+        return ()
+    for method in (*DRAFTED, *COMPOSITE_METHODS) if not pairs else ():
+        beside = target.resolve().parent / method / "config.json"
+        if beside.is_file() and json.loads(beside.read_text()).get("specserve_drafter") == method:
+            pairs.append((method, str(beside.parent)))
+    return tuple(pairs)
+
+
+def _load_tiers(path: Path | None, methods: list[str], max_draft_len: int, max_len: int) -> tuple:
+    """The validated tiers of --tiers FILE (none without it); a bad file is the user's error."""
+    from specserve.serving.build import STATIC_METHODS
+    from specserve.serving.tiers import ServerLimits, TierError, load_tiers
+
+    if path is None:
+        return ()
+    try:
+        return load_tiers(path, ServerLimits(tuple(methods), max_draft_len, max_len, drafted=dict(STATIC_METHODS)))
+    except TierError as e:
+        raise CliError(f"--tiers {path}: {e}") from None
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from specserve.serving.build import resolve_device, served_methods
+    from specserve.triton.launch import ServerStartError, WorkDirLock
+
+    max_len = check_checkpoint(args.target, args.max_model_len)
+    drafters = resolve_drafters(args.target, args.drafter, args.no_drafters)
+    methods = served_methods(drafters)
+    try:
+        resolve_device(args.device)
+    except ValueError as e:
+        raise CliError(f"--device: {e}") from None
+    if args.default_method is None:
+        args.default_method = drafters[0][0] if drafters else "none"
+    if args.default_method not in methods:
+        raise CliError(f"--default-method {args.default_method!r} is not one of {', '.join(methods)}")
+    args.tier_list = _load_tiers(args.tiers, methods, args.max_draft_len, max_len)
+    from specserve.serving.text_gate import GateError, parse_text_types
+
+    try:
+        args.dflash_types = parse_text_types(args.dflash_text_types)
+    except GateError as e:
+        raise CliError(str(e)) from None
+    args.text_classifier = resolve_text_classifier(args.target, args.text_classifier, args.no_text_gate, methods)
+    if args.drafter_backend != "python" and args.placement != "remote":
+        raise CliError(f"--drafter-backend {args.drafter_backend} applies to remote drafter models; add "
+                       f"--placement remote (fused drafters run inside the engine)")
+    if args.drafter_backend != "python" and not drafters:
+        raise CliError(f"--drafter-backend {args.drafter_backend}: no drafter is served (--drafter METHOD=DIR)")
+    if args.dflash_block_size is not None:
+        from specserve.serving.tiers import BLOCK_SIZE_RANGE
+
+        if "dflash" not in methods:
+            raise CliError("--dflash-block-size: no DFlash drafter is served (--drafter dflash=DIR)")
+        lo, hi = BLOCK_SIZE_RANGE
+        if not lo <= args.dflash_block_size <= hi:
+            raise CliError(f"--dflash-block-size must be in [{lo}, {hi}], got {args.dflash_block_size}")
+    if args.max_num_seqs < 1:
+        raise CliError("--max-num-seqs must be at least 1")
+    if args.max_queue_len < 0:
+        raise CliError("--max-queue-len must be >= 0")
+    if args.drain_timeout < 0:
+        raise CliError("--drain-timeout must be >= 0")
+    for port, flag in ((args.http_port, "--http-port"), (args.grpc_port, "--grpc-port"),
+                       (args.metrics_port, "--metrics-port")):
+        _check_port(port, flag)
+    work = args.work_dir.resolve()
+    try:
+        lock = WorkDirLock(work)
+    except ServerStartError as e:
+        raise CliError(str(e)) from None
+    with lock:
+        return _run_server(args, work, max_len, methods, drafters)
+
+
+def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: list[str],
+                drafters: tuple[tuple[str, str], ...]) -> int:
+    from specserve.triton import drafter_backends
+    from specserve.serving.auth import resolve_admin_key
+    from specserve.serving.build import FUSED_ONLY
+    from specserve.triton.launch import Ports, ServerStartError, TritonServer, prepare_backends
+    from specserve.triton.render import RepositorySettings, render_repository
+
+    settings = RepositorySettings(args.target, max_num_seqs=args.max_num_seqs, max_model_len=max_len,
+                                  max_draft_len=args.max_draft_len,
+                                  default_method=args.default_method, drafters=drafters,
+                                  placement=args.placement, mtp_placement=args.mtp_placement,
+                                  spec_threshold=args.spec_threshold,
+                                  dtype=args.dtype, drafter_dtype=args.drafter_dtype, device=args.device,
+                                  max_queue_len=args.max_queue_len, draft_policy=args.draft_policy,
+                                  tiers=args.tier_list, drafter_backend=args.drafter_backend,
+                                  text_classifier=args.text_classifier, dflash_text_types=args.dflash_types,
+                                  block_size=args.dflash_block_size)
+    # The drafter backend must be one this tritonserver has: checked before the (slow) ONNX
+    # export, and every rendered config again after it.
+    try:
+        backend_dir = prepare_backends(work)
+        drafter_backends.check_available(args.drafter_backend, backend_dir)
+        repo = render_repository(settings, work / "model_repository")
+        drafter_backends.check_repository(repo, backend_dir)
+    except (ServerStartError, drafter_backends.BackendError) as e:
+        raise CliError(str(e)) from None
+    if args.drafter_backend != "python":
+        for name, why in drafter_backends.STATEFUL.items():
+            print(f"specserve: {name} stays a Python model: {why}", flush=True)
+    admin_key = resolve_admin_key(args.admin_key_file, work, create=True)
+    # Explicit model control, everything loaded at start: remote drafters are hot-loadable, and
+    # shutdown unloads `llm` to turn the server not-ready while it drains. Model control is
+    # admin-only (auth.py), so no client can unload anything.
+    server = TritonServer(repo, work, Ports(args.http_port, args.grpc_port, args.metrics_port),
+                          extra_args=list(SERVE_TRITON_ARGS), admin_key=admin_key)
+    # Ctrl-C and SIGTERM (docker stop, Kubernetes) both stop the server gracefully; the server
+    # runs in its own process group, so the signal reaches it only through server.stop().
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
+    print(f"specserve: serving {args.target} (max_model_len={max_len}, max_num_seqs={args.max_num_seqs}, "
+          f"methods: {', '.join(methods)}; default {args.default_method}; {args.dtype} on {args.device}) from {repo}", flush=True)
+    from specserve.serving.build import where_drafters_run
+
+    for line in where_drafters_run(drafters, args.placement, args.mtp_placement):
+        print(f"specserve: {line}", flush=True)
+    # One try around everything after start: a signal can arrive at any point (even between
+    # "ready" and the wait), and every exit path must take tritonserver down with us.
+    try:
+        server.start()
+        server.wait_ready(timeout=600)
+        print(f"specserve: ready\n"
+              f"  gRPC     {server.grpc_url}   (model 'llm', streaming)\n"
+              f"  HTTP     http://{server.http_url}/v2/models/llm/generate  |  /generate_stream\n"
+              + "".join(f"  tier     {t.name}: model '{_tier_model(t.name)}' ({t.method or 'server default'}, "
+                        f"priority {t.priority})\n" for t in args.tier_list) +
+              f"  metrics  {server.metrics_url}\n"
+              f"  Ctrl-C to stop", flush=True)
+        code = supervise(server)
+    except ServerStartError as e:
+        server.stop()
+        raise CliError(f"tritonserver did not start: {e}") from None
+    except KeyboardInterrupt:
+        if server.process is not None and server.process.poll() is None and server.is_ready():
+            try:
+                drain(server, settings.internal_key, args.drain_timeout)
+            except KeyboardInterrupt:
+                print("specserve: second signal; stopping now", flush=True)
+        code = server.stop()
+        return 0 if code in (0, None) else code
+    except BaseException:
+        server.stop()
+        raise
+    if code != 0:
+        print(f"specserve: tritonserver exited with code {code}", file=sys.stderr)
+    return code
+
+
+def _tier_model(name: str) -> str:
+    from specserve.serving.schema import tier_ensemble
+    return tier_ensemble(name).name
+
+
+# tritonserver flags `specserve serve` adds (deploy/k8s and docker-compose must agree; tests check).
+SERVE_TRITON_ARGS = ("--model-control-mode=explicit", "--load-model=*")
+
+
+SUPERVISE_POLL_S = 1.0
+
+
+def supervise(server, poll_s: float = SUPERVISE_POLL_S) -> int:
+    """Wait for tritonserver to exit, keeping `llm` whole meanwhile: when a model it needs is gone
+    (an operator with the admin key unloaded target_verifier, say), Triton would go on reporting
+    the server ready while every request fails. So `llm` is unloaded (the server turns not ready
+    at once) and loaded again, which loads what it needs; the server is ready again when it is.
+    Returns tritonserver's exit code."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    while server.process.poll() is None:
+        time.sleep(poll_s)
+        try:
+            with urllib.request.urlopen(f"http://{server.http_url}/v2/models/llm/ready", timeout=5):
+                continue   # 200: llm and all its steps are ready
+        except urllib.error.HTTPError:
+            pass           # 400: llm has no ready version
+        except OSError:
+            continue       # the server is going away; poll() will tell
+        print("specserve: 'llm' is not ready (a model it needs was unloaded); the server reports not ready "
+              "while it is loaded again", flush=True)
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        try:
+            client.unload_model("llm", headers=server.admin_headers)
+            client.load_model("llm", headers=server.admin_headers)
+            print("specserve: 'llm' is ready again", flush=True)
+        except InferenceServerException as e:
+            print(f"specserve: reloading 'llm' failed ({e.message()}); trying again", flush=True)
+            time.sleep(10 * poll_s)
+    return server.process.returncode
+
+
+def drain(server, internal_key: str, timeout: float, poll_s: float = 0.25) -> int:
+    """Graceful shutdown, before tritonserver itself is stopped: the engine refuses new requests,
+    `llm` is unloaded so the server reports not ready (in-flight streams keep their models until
+    they end), in-flight streams run to their end for up to `timeout` seconds, and whatever is
+    left is ended with an error saying so. Returns how many were ended that way.
+
+    Why not leave it to tritonserver: on SIGINT/SIGTERM it unloads every model at once, including
+    preprocess/postprocess, which have nothing in flight, so every stream stalls until the exit
+    timeout and is cut by the transport."""
+    import threading
+    import time
+
+    from specserve.triton.control import ControlError, send_control
+
+    print(f"specserve: draining (up to {timeout:g} s for in-flight requests)", flush=True)
+    send_control(server.grpc_url, internal_key, "drain")
+    threading.Thread(target=_unload_quietly, args=(server, "llm"), daemon=True).start()
+    deadline = time.monotonic() + timeout
+    live = send_control(server.grpc_url, internal_key, "status")["live"]
+    while live and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        live = send_control(server.grpc_url, internal_key, "status")["live"]
+    if live:
+        print(f"specserve: drain time over; ending {live} request(s) with an error", flush=True)
+        send_control(server.grpc_url, internal_key, "abort")
+        end = time.monotonic() + 5
+        while time.monotonic() < end:
+            try:
+                if not send_control(server.grpc_url, internal_key, "status")["live"]:
+                    break
+            except ControlError:
+                break
+            time.sleep(poll_s)
+    print("specserve: drained; stopping tritonserver", flush=True)
+    return live
+
+
+def _unload_quietly(server, name: str) -> None:
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        grpcclient.InferenceServerClient(server.grpc_url).unload_model(name, headers=server.admin_headers)
+    except InferenceServerException as e:
+        print(f"specserve: unloading {name} failed ({e.message()}); readiness may not turn false", flush=True)
+
+
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_serve]
+
+
+# -- drafters (hot-loading) -------------------------------------------------------------------------
+def _add_drafters(sub: argparse._SubParsersAction) -> None:
+    from specserve.triton.drafters import LOADABLE_MODELS, __doc__ as doc
+
+    p = sub.add_parser("drafters", help="list / load / unload remote drafters on a running server",
+                       description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", choices=("list", "load", "unload", "publish"))
+    p.add_argument("name", nargs="?", help=f"drafter model ({', '.join(LOADABLE_MODELS)})")
+    p.add_argument("--url", default="localhost:8001", help="the server's gRPC address")
+    p.add_argument("--target", type=Path, help="publish: the served target checkpoint")
+    p.add_argument("--drafter", type=Path, help="publish: the EAGLE drafter folder to publish")
+    p.add_argument("--classifier", type=Path,
+                   help="publish: a text-type classifier folder to publish as the next text_classifier version")
+    p.add_argument("--repository", type=Path, default=Path("work_dirs/serve/model_repository"),
+                   help="publish: the served model repository")
+    p.add_argument("--load", action="store_true", help="publish: load the new version right away")
+    p.add_argument("--admin-key-file", type=Path, default=Path("work_dirs/serve") / ADMIN_KEY_FILE,
+                   help=f"the server's admin key (default: ${ADMIN_KEY_ENV}, else this file, which "
+                        "`specserve serve` writes in its work dir)")
+    p.set_defaults(run=_drafters)
+
+
+def _drafters(args: argparse.Namespace) -> int:
+    from specserve.triton import drafters
+    from specserve.serving.auth import resolve_admin_key
+
+    key = resolve_admin_key(args.admin_key_file)
+    if key is None and (args.action != "publish" or args.load):
+        raise CliError(f"no admin key: set ${ADMIN_KEY_ENV} or pass --admin-key-file (the server's "
+                       f"work dir holds {ADMIN_KEY_FILE})")
+    try:
+        if args.action == "publish" and args.classifier:
+            if args.drafter or args.target:
+                raise CliError("drafters publish takes either --classifier or --target and --drafter")
+            version = drafters.publish_classifier(args.classifier, args.repository)
+            print(f"published {args.classifier} as version {version} of text_classifier")
+            if args.load:
+                drafters.load(args.url, "text_classifier", key)
+                print("loaded text_classifier")
+            return 0
+        if args.action == "publish":
+            if not args.target or not args.drafter:
+                raise CliError("drafters publish needs --target and --drafter")
+            version = drafters.publish(args.target, args.drafter, args.repository)
+            print(f"published {args.drafter} as version {version} of eagle_backbone / calibration_head")
+            if args.load:
+                drafters.load(args.url, "eagle_proposal", key)
+                print("loaded eagle_proposal")
+            return 0
+        if args.action == "list":
+            for m in drafters.list_models(args.url, key):
+                mark = ("drafter" if m.name in drafters.DRAFTER_MODELS else
+                        "gate" if m.name in drafters.LOADABLE_MODELS else "")
+                print(f"{m.name:20s} {m.version or '-':>3s} {m.state:12s} {mark:8s} {m.reason}")
+            return 0
+        if not args.name:
+            raise CliError(f"drafters {args.action} needs a model name")
+        (drafters.load if args.action == "load" else drafters.unload)(args.url, args.name, key)
+        print(f"{args.action}ed {args.name}")
+        return 0
+    except drafters.DrafterError as e:
+        raise CliError(str(e)) from None
+
+
+COMMANDS.append(_add_drafters)
+
+
+# -- tiers (live changes) ---------------------------------------------------------------------------
+def _add_tiers(sub: argparse._SubParsersAction) -> None:
+    from specserve.triton.tier_control import __doc__ as doc
+
+    p = sub.add_parser("tiers", help="list service tiers / apply a changed tiers file on a running server",
+                       description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", choices=("list", "apply"))
+    p.add_argument("file", nargs="?", type=Path, help="apply: the tiers file")
+    p.add_argument("--url", default="localhost:8001", help="the server's gRPC address")
+    p.add_argument("--admin-key-file", type=Path, default=Path("work_dirs/serve") / ADMIN_KEY_FILE,
+                   help=f"the server's admin key (default: ${ADMIN_KEY_ENV}, else this file)")
+    p.add_argument("--repository", type=Path, default=None,
+                   help="apply: the served model repository, when on this machine: the new configs are "
+                        "written there too, so a reload from disk keeps them")
+    p.set_defaults(run=_tiers)
+
+
+def _tiers(args: argparse.Namespace) -> int:
+    from specserve.triton import tier_control
+    from specserve.serving.auth import resolve_admin_key
+    from specserve.serving.tiers import TierError
+
+    key = resolve_admin_key(args.admin_key_file)
+    if key is None:
+        raise CliError(f"no admin key: set ${ADMIN_KEY_ENV} or pass --admin-key-file (the server's "
+                       f"work dir holds {ADMIN_KEY_FILE})")
+    try:
+        if args.action == "list":
+            for st in tier_control.list_tiers(args.url, key):
+                t = st.tier
+                print(f"{t.name:12s} {st.ensemble:16s} method={t.method or '(server default)'} "
+                      f"fallback={t.fallback} priority={t.priority} num_draft_tokens={t.max_draft_len} "
+                      f"spec_threshold={t.spec_threshold} draft_policy={t.draft_policy} "
+                      f"max_tokens<={t.max_tokens}")
+            return 0
+        if args.file is None:
+            raise CliError("tiers apply needs a tiers file")
+        for c in tier_control.apply(args.url, args.file, key, args.repository):
+            print(f"{c.tier}: {'changed (preprocess reloaded)' if c.changed else 'unchanged'}")
+        return 0
+    except TierError as e:
+        raise CliError(f"{args.file}: {e}") from None
+    except tier_control.TierControlError as e:
+        raise CliError(str(e)) from None
+
+
+COMMANDS.append(_add_tiers)
+
+
+# -- bench (specserve/cli/bench/) ---------------------------------------------------------------------
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from specserve.cli.bench.command import __doc__ as doc, add_arguments, run_cli
+    p = sub.add_parser("bench", help="serving benchmark: TTFT / TPOT / P99 / throughput per method, "
+                       "same-run ratios to plain decoding and to transformers", description=doc,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(run=run_cli)
+
+
+COMMANDS.append(_add_bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except CliError as e:
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

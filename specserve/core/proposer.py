@@ -1,0 +1,131 @@
+"""The proposer interface every drafter implements, fused (in-process) or remote (Triton/BLS).
+
+Terminology (DESIGN.md §4, defined once here): a step DRAFTS k tokens; the target ACCEPTS a
+prefix of them (a root-to-node path, for trees); on the first rejection it emits a RECOVERED
+token, and if every drafted token on the path is accepted it emits a BONUS token. ACCEPTANCE
+LENGTH = accepted + 1 (the recovered / bonus token counts), averaged over steps.
+
+A draft is a tree hanging off the sequence's pending token (the last emitted token, whose KV the
+target has not computed yet). A chain is the tree whose node i has parent i-1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from specserve.core.sampling import SamplingParams
+
+
+class ProposerError(RuntimeError):
+    """The proposer cannot draft this step (e.g. a remote drafter is unloaded or restarting).
+
+    The engine then decodes the affected rows without a draft; it never fails the request.
+    Any other exception from a proposer is a bug (the engine logs it with its traceback and
+    decodes those rows plainly).
+    """
+
+
+class ProposerUnavailable(ProposerError):
+    """The proposer skipped this step on purpose (backing off after failures, or an earlier call
+    has not returned): expected while a drafter is down, so logged quietly."""
+
+
+@dataclass
+class Draft:
+    tokens: list[int]                  # N drafted token ids
+    parents: list[int]                 # N; parents[i] < i, or -1 = child of the pending token
+    # [N, V] the distribution each token was drawn from, for lossless sampling; None when the
+    # tokens were chosen deterministically (n-gram, argmax): then q is a point mass.
+    probs: torch.Tensor | None = None
+    # Optional, for arbiters (proposers/arbiter.py), never used by verification: N log-probs the
+    # drafter gave its own tokens (its confidence; a greedy drafter's probs is None), and per node
+    # the names of the proposers whose candidate passes through it (the engine credits accepted
+    # tokens to them in SpecStats.accepted_by_proposer).
+    logprobs: list[float] | None = None
+    sources: list[tuple[str, ...]] | None = None
+    # Sub-proposers (or proposal models) that failed this step and were left out of the draft
+    # (a multi-draft proposer's partial failure; the engine counts them per request).
+    skipped: tuple[str, ...] = ()
+
+    @classmethod
+    def chain(cls, tokens: list[int], probs: torch.Tensor | None = None,
+              logprobs: list[float] | None = None) -> "Draft":
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), probs, logprobs)
+
+    @classmethod
+    def empty(cls) -> "Draft":
+        return cls([], [])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def check(self) -> None:
+        if len(self.parents) != len(self.tokens):
+            raise ValueError("draft tokens and parents differ in length")
+        if any(not -1 <= p < i for i, p in enumerate(self.parents)):
+            raise ValueError(f"draft parents must satisfy -1 <= parents[i] < i: {self.parents}")
+        if self.probs is not None and self.probs.shape[0] != len(self.tokens):
+            raise ValueError("draft probs must have one row per drafted token")
+        for name in ("logprobs", "sources"):
+            if getattr(self, name) is not None and len(getattr(self, name)) != len(self.tokens):
+                raise ValueError(f"draft {name} must have one entry per drafted token")
+
+
+@dataclass
+class DraftRequest:
+    seq_id: int
+    token_ids: list[int]          # the whole sequence so far: prompt + emitted (last = pending)
+    max_draft_len: int            # upper bound on N for this step
+    params: SamplingParams        # the request's sampling (greedy: temperature == 0)
+    # The request's generator, for drafters that sample (then they must return probs);
+    # None for greedy requests.
+    generator: torch.Generator | None = None
+    # Target features (final hidden states, [n, D]) of the tokens committed since the previous
+    # request for this sequence; only filled for proposers with `needs_features`. A proposer with
+    # a `feature_layers` attribute (target layer indices, e.g. DFlash) gets the final hidden
+    # state followed by the residual stream after each of those layers: [n, (1 + L) D].
+    # max_draft_len may be 0: a call that only hands over features (e.g. DFlash while its
+    # repetition guard has the row drafting with another method).
+    features: torch.Tensor | None = None
+    # The request's calibration stop threshold; None → the proposer's own default. Proposers
+    # without a calibration head ignore it.
+    threshold: float | None = None
+    # The request's method-specific options (e.g. mtp's proposer set and tree budget), already
+    # checked by the proposer's `check_options`; None → the proposer's defaults.
+    options: dict | None = None
+
+
+@dataclass
+class StepOutcome:
+    """What the engine tells a proposer after verifying its draft (for per-sequence drafter state)."""
+    seq_id: int
+    num_drafted: int
+    accepted_nodes: list[int] = field(default_factory=list)  # indices into the draft, root→leaf
+    emitted: list[int] = field(default_factory=list)         # accepted tokens + recovered/bonus
+
+
+# A proposer that takes per-request options (DraftRequest.options) names them in
+# `option_keys: tuple[str, ...]` and has `check_options(options: dict) -> None`, raising
+# ValueError with a message for the client; the engine refuses keys the request's method does not
+# name and calls it when a request arrives (Engine.check). Proposers without them take no options.
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    name: str
+    needs_features: bool
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        """One draft per request, in order. Must not raise for a sequence it has not seen."""
+        ...
+
+    def observe(self, outcomes: list[StepOutcome]) -> None:
+        """Verification results of the last step (drafter state may roll back from them)."""
+        ...
+
+    def release(self, seq_id: int) -> None:
+        """The sequence ended; drop any state kept for it."""
+        ...

@@ -1,0 +1,170 @@
+"""The EAGLE drafter's runtime on the REMOTE side: the exported ONNX backbone and calibration
+head under onnxruntime, with the per-sequence drafter state keyed by the engine's sequence id.
+
+This is what the Triton models `eagle_backbone` and `calibration_head` run (their model.py files
+only convert tensors); it is plain Python so it is tested without a server.
+
+Per step the engine sends, for each of its rows: the sequence id, the true target features of
+the tokens committed since the last call (`num_new` of them) with the tokens that follow each
+(t_{i+1}), and the most tokens it may draft. The backbone appends those pairs to the sequence's
+cache (its state), then drafts greedily up to `max_draft_len` tokens on a scratch copy, so the
+speculative pairs are never committed. Drafts are argmax choices, so the engine verifies them
+as point masses (lossless for sampled requests too).
+
+A sequence the runtime has not seen (new, or the drafter was reloaded) must arrive with its
+whole history (`valid_from == 0`); otherwise it is reported in `unknown`, and the engine
+re-primes it by resending everything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specserve.methods.eagle.proposer import CALIBRATION_POSITIONS
+
+
+@dataclass
+class DraftBatch:
+    """The engine's request for one step (numpy, as it travels over BLS)."""
+    seq_ids: np.ndarray        # [B] int64
+    valid_from: np.ndarray     # [B] int64: pairs the engine believes the drafter holds
+    num_new: np.ndarray        # [B] int64: new pairs for each row (≥ 1)
+    features: np.ndarray       # [B, Tmax, D] float32, row b valid for its first num_new[b]
+    next_tokens: np.ndarray    # [B, Tmax] int64
+    max_draft_len: np.ndarray  # [B] int64
+
+
+@dataclass
+class DraftResult:
+    tokens: np.ndarray         # [B, K] int64 (K = max over rows of max_draft_len; -1 = none)
+    hidden: np.ndarray         # [B, K, D] float32 draft hidden state per position
+    scalars: np.ndarray        # [B, K, 3] float32 (top-1 prob, entropy, position / 8)
+    unknown: np.ndarray        # [B] bool: the runtime lacks this sequence's history; re-prime it
+
+
+def session_options(threads: int = 1):
+    """One intra-op thread, no spinning: a drafter step is tiny, and spinning pool threads fight
+    the target's own threads for the same cores (measured: a 1-layer step went from ~60 ms to
+    a few ms on 2 cores)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return opts
+
+
+@dataclass
+class _State:
+    k: np.ndarray  # [1, Hkv, P, hd]
+    v: np.ndarray
+    valid: int = 0
+
+
+def _softmax_stats(logits: np.ndarray) -> tuple[int, float, float]:
+    z = logits.astype(np.float64) - logits.max()
+    p = np.exp(z)
+    p /= p.sum()
+    top = int(p.argmax())
+    entropy = float(-(p * np.log(np.maximum(p, 1e-30))).sum())
+    return top, float(p[top]), entropy
+
+
+@dataclass
+class EagleOnnxRuntime:
+    backbone_path: str
+    kv_heads: int
+    head_dim: int
+    providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
+
+    def __post_init__(self):
+        import onnxruntime as ort
+
+        self.session = ort.InferenceSession(self.backbone_path, session_options(), providers=self.providers)
+        self.states: dict[int, _State] = {}
+
+    def _run(self, feats, toks, start: int, k, v):
+        # feats [1, T, D], toks [1, T]; chain mask over the cached `start` pairs plus the new T.
+        T = feats.shape[1]
+        mask = np.zeros((1, T, start + T), dtype=bool)
+        mask[0, :, :start] = True
+        mask[0, :, start:] = np.tril(np.ones((T, T), dtype=bool))
+        positions = (start + np.arange(T, dtype=np.int64))[None]
+        return self.session.run(None, {"features": feats, "next_tokens": toks, "positions": positions,
+                                       "past_k": k, "past_v": v, "mask": mask})
+
+    def draft(self, batch: DraftBatch) -> DraftResult:
+        B = len(batch.seq_ids)
+        K = int(batch.max_draft_len.max(initial=0))
+        D = batch.features.shape[-1]
+        out_tokens = np.full((B, K), -1, dtype=np.int64)
+        out_hidden = np.zeros((B, K, D), dtype=np.float32)
+        out_scalars = np.zeros((B, K, 3), dtype=np.float32)
+        unknown = np.zeros(B, dtype=bool)
+        for b in range(B):
+            sid, start, n = int(batch.seq_ids[b]), int(batch.valid_from[b]), int(batch.num_new[b])
+            st = self.states.get(sid)
+            if start == 0:  # a new sequence, or the engine re-priming one: start over
+                empty = np.zeros((1, self.kv_heads, 0, self.head_dim), dtype=np.float32)
+                st = self.states[sid] = _State(empty, empty.copy())
+            if st is None or st.valid != start:
+                unknown[b] = True
+                continue
+            hidden, logits, st.k, st.v = self._run(batch.features[b:b + 1, :n], batch.next_tokens[b:b + 1, :n],
+                                                   st.valid, st.k, st.v)
+            st.valid += n
+            h, lg = hidden[0, -1], logits[0, -1]
+            k_scratch, v_scratch = st.k, st.v
+            for j in range(int(batch.max_draft_len[b])):
+                tok, top1, ent = _softmax_stats(lg)
+                out_tokens[b, j] = tok
+                out_hidden[b, j] = h
+                out_scalars[b, j] = (top1, ent, j / CALIBRATION_POSITIONS)
+                if j + 1 == int(batch.max_draft_len[b]):
+                    break
+                hh, ll, k_scratch, v_scratch = self._run(h[None, None].astype(np.float32),
+                                                         np.array([[tok]], dtype=np.int64),
+                                                         st.valid + j, k_scratch, v_scratch)
+                h, lg = hh[0, -1], ll[0, -1]
+        return DraftResult(out_tokens, out_hidden, out_scalars, unknown)
+
+    def release(self, seq_ids) -> None:
+        for sid in seq_ids:
+            self.states.pop(int(sid), None)
+
+
+@dataclass
+class CalibrationOnnxRuntime:
+    path: str
+    providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
+
+    def __post_init__(self):
+        import onnxruntime as ort
+
+        self.session = ort.InferenceSession(self.path, session_options(), providers=self.providers)
+
+    def accept_prob(self, hidden: np.ndarray, scalars: np.ndarray) -> np.ndarray:
+        """hidden [B, K, D], scalars [B, K, 3] → [B, K]."""
+        B, K, D = hidden.shape
+        if B * K == 0:
+            return np.zeros((B, K), dtype=np.float32)
+        p = self.session.run(["accept_prob"], {"hidden": hidden.reshape(B * K, D).astype(np.float32),
+                                               "scalars": scalars.reshape(B * K, 3).astype(np.float32)})[0]
+        return p.reshape(B, K)
+
+
+def in_process_call(backbone: EagleOnnxRuntime, calibration: CalibrationOnnxRuntime):
+    """What the `eagle_proposal` ensemble computes, as a RemoteProposer `call` without a server
+    (benchmarks and tests): backbone draft, then the calibration head on its positions."""
+
+    def call(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        res = backbone.draft(DraftBatch(**inputs))
+        # draft_scalars too, as the mtp_proposal ensemble passes them on: remote mtp's arbiter
+        # reads EAGLE's confidence from them (remote_mtp._eagle_candidate).
+        return {"draft_tokens": res.tokens, "accept_prob": calibration.accept_prob(res.hidden, res.scalars),
+                "draft_scalars": res.scalars, "unknown": res.unknown}
+
+    return call

@@ -1,0 +1,144 @@
+"""What the Triton models `mtp_heads` and `draft_drafter` compute: the MTP heads' and the draft
+model's chains for the remote `mtp` (remote_mtp.py), each with the log-probability its drafter
+gave every token, exactly as the fused proposers' Draft.probs are read by the arbiter
+(multi_draft.candidates_of: log of q(token), q clamped at 1e-30). Plain Python, so it is tested
+and timed without a server; the model.py files only convert tensors.
+
+mtp_heads is stateless: the heads read only f_t, the target's final hidden state at the last
+committed position, which is the last of each row's new feature rows (the engine sends the
+features committed since the previous call, as for EAGLE; at least one row per step). The ONNX
+export (mtp.export_mtp_onnx: features [n, D] → logits [n, k, V], the target's LM head embedded)
+runs under onnxruntime.
+
+draft_drafter keeps the draft model's KV cache per sequence, keyed by the engine's sequence id,
+in the fused proposer's own code (draft_model.DraftModelProposer). Every call carries the row's
+whole token list (context_tokens, which the ensemble already sends for n-gram lookup), and the
+proposer brings its cache up to it by keeping the longest prefix it still matches and feeding the
+rest. So a step it missed, a rejected draft, or a reload (empty cache) costs only a longer
+catch-up, never a wrong draft, and it needs no `unknown` / re-prime round trip and no observe():
+what fused mtp's observe() rolls back, the next catch-up finds mismatched and drops. Slots are
+freed by release_ids and, should a release be lost, the least recently used sequence is evicted
+(its state is only a cache).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specserve.core.proposer import DraftRequest
+from specserve.core.sampling import SamplingParams
+
+MIN_PROB = 1e-30   # as multi_draft.candidates_of
+
+
+def _padded(rows: list[list], fill, dtype) -> np.ndarray:
+    out = np.full((len(rows), max((len(r) for r in rows), default=0)), fill, dtype=dtype)
+    for b, r in enumerate(rows):
+        out[b, :len(r)] = r
+    return out
+
+
+class HeadsOnnxRuntime:
+    """The MTP heads' ONNX graph → per row the chain of each head's top-1 token."""
+
+    def __init__(self, onnx_file: str | Path):
+        import onnxruntime as ort
+
+        from specserve.methods.eagle.onnx_runtime import session_options
+
+        self.session = ort.InferenceSession(str(onnx_file), session_options(), providers=["CPUExecutionProvider"])
+
+    def chains(self, features: np.ndarray, num_new: np.ndarray, max_draft_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """features [B, T, D], num_new [B], max_draft_len [B] → tokens [B, K] (-1 padded),
+        logprobs [B, K] (0 padded). A row without a new feature row has no f_t: no chain."""
+        rows = [b for b in range(len(num_new)) if num_new[b] > 0 and max_draft_len[b] > 0]
+        tokens: list[list[int]] = [[] for _ in num_new]
+        lps: list[list[float]] = [[] for _ in num_new]
+        if rows:
+            f = np.stack([features[b, int(num_new[b]) - 1] for b in rows]).astype(np.float32)   # [n, D]
+            logits = self.session.run(["logits"], {"features": f})[0]                             # [n, k, V]
+            best = logits.argmax(-1)                                                               # [n, k]
+            # q(top-1) = softmax at the argmax, in float32 as the fused proposer's probs
+            shifted = logits - logits.max(-1, keepdims=True)
+            q = 1.0 / np.exp(shifted).sum(-1, dtype=np.float32)                                   # [n, k]
+            for j, b in enumerate(rows):
+                n = min(int(max_draft_len[b]), logits.shape[1])
+                tokens[b] = best[j, :n].tolist()
+                lps[b] = np.log(np.maximum(q[j, :n], MIN_PROB)).tolist()
+        return _padded(tokens, -1, np.int64), _padded(lps, 0.0, np.float32)
+
+
+def load_remote_draft(folder: str | Path, checkpoint: str | Path, *, dtype: str = "auto",
+                      device: str = "cpu"):
+    """The draft model in `folder` for the target at `checkpoint`, checked as the fused one is
+    (its tokenizer must give the target's ids on the probe string; same vocabulary size) without
+    loading the target's weights."""
+    from specserve.model.transformer import CheckpointError, load_config, load_model
+    from specserve.methods.draft.proposer import check_tokenizer
+    from specserve.serving.build import resolve_device, resolve_drafter_dtype
+    from specserve.model.tokenizer import load_tokenizer
+
+    check_tokenizer(load_tokenizer(checkpoint), load_tokenizer(folder))
+    model = load_model(folder, device=resolve_device(device))
+    vocab = load_config(checkpoint).vocab_size
+    if model.cfg.vocab_size != vocab:
+        raise CheckpointError(f"draft model {folder}: vocab_size {model.cfg.vocab_size} != the target's {vocab}")
+    # "auto" as for the fused drafter (bfloat16 where the hardware has fast bf16 matmuls).
+    return model.to(resolve_drafter_dtype(dtype, model))
+
+
+class DraftModelService:
+    """draft_drafter's state: the fused DraftModelProposer over `max_num_seqs` cache slots."""
+
+    def __init__(self, draft, *, max_num_seqs: int, max_model_len: int, max_draft_len: int):
+        from specserve.methods.draft.proposer import DraftModelProposer
+
+        self.proposer = DraftModelProposer(draft, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                           max_draft_len=max_draft_len)
+        self.max_num_seqs = max_num_seqs
+        self._used: OrderedDict[int, None] = OrderedDict()   # sequence ids, least recently used first
+        self.evicted = 0
+
+    def _make_room(self, seq_ids: list[int]) -> None:
+        fresh = [s for s in seq_ids if s not in self._used]
+        while len(fresh) > self.proposer.cache.num_free:
+            victim = next((s for s in self._used if s not in seq_ids), None)
+            if victim is None:
+                raise ValueError(f"draft_drafter: {len(seq_ids)} sequences in one call, more than its "
+                                 f"{self.max_num_seqs} slots")
+            self.release([victim])
+            self.evicted += 1
+
+    @torch.inference_mode()
+    def chains(self, seq_ids: np.ndarray, context_tokens: np.ndarray, max_draft_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """seq_ids [B], context_tokens [B, L] (-1 padded; the last token of a row is pending),
+        max_draft_len [B] → tokens [B, K] (-1 padded), logprobs [B, K] (0 padded)."""
+        ids = [int(s) for s in seq_ids]
+        if len(set(ids)) != len(ids):
+            raise ValueError("draft_drafter: a sequence id appears twice in one call")
+        self._make_room(ids)
+        greedy = SamplingParams()
+        requests = [DraftRequest(s, [int(t) for t in row if t >= 0], int(k), greedy)
+                    for s, row, k in zip(ids, context_tokens, max_draft_len)]
+        for s in ids:
+            self._used[s] = None
+            self._used.move_to_end(s)
+        drafts = self.proposer.propose(requests)
+        tokens, lps = [], []
+        for d in drafts:
+            tokens.append(d.tokens)
+            if d.tokens:
+                q = d.probs[torch.arange(len(d)), torch.tensor(d.tokens)].float().clamp_min(MIN_PROB)
+                lps.append(q.log().tolist())
+            else:
+                lps.append([])
+        return _padded(tokens, -1, np.int64), _padded(lps, 0.0, np.float32)
+
+    def release(self, seq_ids) -> None:
+        for s in seq_ids:
+            self._used.pop(int(s), None)
+            self.proposer.release(int(s))

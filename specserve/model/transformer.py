@@ -1,0 +1,341 @@
+"""The target transformer: Llama, Qwen2 and Mistral families, from a Hugging Face checkpoint folder.
+
+One readable file in the spirit of gpt-fast / nanoGPT: fixed-size cache, explicit state. Every
+forward takes the tokens, their RoPE positions, the cache slots and write offsets, and the
+attention mask as arguments — nothing is stashed on the module between calls.
+
+Shapes: B rows, T new tokens per row, S keys visible (the span of cache read), D hidden size,
+H query heads, Hkv key/value heads, hd head dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.core.kv_cache import KVCache
+from specserve.model.rope import RopeSpec, RotaryEmbedding, apply_rope
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+class CheckpointError(ValueError):
+    """The checkpoint folder cannot be served: unsupported architecture, missing or corrupt file."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2 always; Llama when configured)
+    sliding_window: int | None = None  # Mistral: attend to at most this many previous positions
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        mtype = cfg.get("model_type")
+        if mtype not in SUPPORTED_MODEL_TYPES:
+            arch = cfg.get("architectures")
+            raise CheckpointError(
+                f"unsupported architecture: model_type={mtype!r} architectures={arch!r}; "
+                f"specserve serves {', '.join(SUPPORTED_MODEL_TYPES)} checkpoints")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise CheckpointError(f"unsupported hidden_act {act!r} (only 'silu')")
+        try:
+            hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            head_dim = int(cfg.get("head_dim") or hidden // heads)
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            window = cfg.get("sliding_window")
+            if mtype == "qwen2" and not cfg.get("use_sliding_window", False):
+                window = None  # Qwen2 configs carry a window they do not use unless asked to
+            return cls(
+                model_type=mtype,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=head_dim,
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope=RopeSpec.from_hf(cfg, head_dim),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=mtype == "qwen2" or bool(cfg.get("attention_bias", False)),
+                sliding_window=int(window) if window else None,
+                eos_token_ids=eos_ids,
+                bos_token_id=cfg.get("bos_token_id"),
+            )
+        except KeyError as e:
+            raise CheckpointError(f"config.json lacks required key {e.args[0]!r}") from None
+
+
+@dataclass
+class ForwardBatch:
+    """What one target forward needs, all explicit."""
+    tokens: torch.Tensor     # [B, T] int64
+    positions: torch.Tensor  # [B, T] int64 RoPE positions (tree nodes: context length + depth)
+    slots: torch.Tensor      # [B] int64 cache slot of each row
+    starts: torch.Tensor     # [B] int64 cache offset where this forward's T entries are written
+    mask: torch.Tensor       # [B, T, S] bool, True = query t may attend to cache entry s
+
+
+@dataclass
+class ForwardOutput:
+    hidden: torch.Tensor                      # [B, T, D] after the final norm (feeds the LM head)
+    layer_hidden: dict[int, torch.Tensor]     # layer index → [B, T, D] residual stream after it
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like the reference implementation, so bf16 weights match it.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    # The ONNX exporter cannot lower SDPA's enable_gqa; export sets this to repeat k/v heads instead.
+    expand_kv_heads = False
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.cfg = layer, cfg
+        D, H, Hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        # q, k, v fused into one matmul (a decode step is small: fewer, larger matmuls win).
+        self.qkv_proj = nn.Linear(D, (H + 2 * Hkv) * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(H * hd, D, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                cache: KVCache | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        c = self.cfg
+        qkv = self.qkv_proj(x)  # [B, T, (H + 2 Hkv) hd]
+        q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
+                             c.num_kv_heads * c.head_dim], dim=-1)
+        q = q.view(B, T, c.num_heads, c.head_dim).transpose(1, 2)     # [B, H, T, hd]
+        k = k.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
+        v = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            cache.write(self.layer, batch.slots, batch.starts, k, v)
+            k, v = cache.read(self.layer, batch.slots, batch.mask.shape[-1])  # [B, Hkv, S, hd]
+        gqa = c.num_kv_heads != c.num_heads
+        if gqa and self.expand_kv_heads:
+            rep = c.num_heads // c.num_kv_heads
+            k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask[:, None], enable_gqa=gqa)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, batch, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg.rope)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        c = self.cfg
+        return KVCache(num_layers=c.num_layers, num_slots=num_slots, num_kv_heads=c.num_kv_heads,
+                       max_len=max_len, head_dim=c.head_dim, dtype=self.dtype, device=self.device)
+
+    def forward(self, batch: ForwardBatch, cache: KVCache | None,
+                hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        x = self.embed_tokens(batch.tokens)  # [B, T, D]
+        cos, sin = self.rotary(batch.positions, x.dtype)
+        layer_hidden: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, batch, cache)
+            if i in hidden_layers:
+                layer_hidden[i] = x
+        return ForwardOutput(hidden=self.norm(x), layer_hidden=layer_hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [..., D] → logits [..., V] in fp32 (sampling and argmax want full precision)
+        return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def score(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Plain causal forward without a cache: tokens [B, T] → logits [B, T, V]."""
+        B, T = tokens.shape
+        positions = torch.arange(T, device=tokens.device).expand(B, T)
+        mask = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
+        if self.cfg.sliding_window:
+            mask &= (positions[0][:, None] - positions[0][None, :]) < self.cfg.sliding_window
+        zeros = torch.zeros(B, dtype=torch.long, device=tokens.device)
+        batch = ForwardBatch(tokens, positions, zeros, zeros, mask.expand(B, T, T))
+        return self.logits(self.forward(batch, cache=None).hidden)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading a Hugging Face checkpoint folder
+
+def _read_config(path: Path) -> dict:
+    cfg_file = path / "config.json"
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint folder {path} does not exist")
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path} has no config.json")
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is corrupt: {e}") from None
+        files = [path / n for n in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{path} lacks shard(s) named in its index: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path} has no *.safetensors weights")
+    return files
+
+
+def read_drafter_weights(folder: Path, what: str) -> dict[str, torch.Tensor]:
+    """A drafter folder's model.safetensors (DFlash, MTP heads); CheckpointError naming `what`
+    when it is missing, or the file when it cannot be read."""
+    st = Path(folder) / "model.safetensors"
+    if not st.is_file():
+        raise CheckpointError(f"{what} has no model.safetensors")
+    return _read_weights([st])
+
+
+def _read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise CheckpointError(f"cannot read weights {f}: {e}") from None
+    return state
+
+
+def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face's separate q/k/v and gate/up projections → our fused qkv_proj / gate_up_proj.
+
+    Tensors that are not all present are left alone, so a missing one is reported by name later.
+    """
+    out = dict(state)
+    groups = [(("q_proj", "k_proj", "v_proj"), "qkv_proj", ("weight", "bias")),
+              (("gate_proj", "up_proj"), "gate_up_proj", ("weight",))]
+    for key in list(state):
+        for parts, fused, kinds in groups:
+            for kind in kinds:
+                suffix = f".{parts[0]}.{kind}"
+                if key.endswith(suffix):
+                    prefix = key[: -len(suffix)]
+                    names = [f"{prefix}.{p}.{kind}" for p in parts]
+                    if all(n in state for n in names):
+                        out[f"{prefix}.{fused}.{kind}"] = torch.cat([state[n] for n in names])
+                        for n in names:
+                            del out[n]
+    return out
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    return ModelConfig.from_hf(_read_config(Path(path)))
+
+
+def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> Transformer:
+    """Build a Transformer from a Hugging Face folder (config.json + single or sharded safetensors)."""
+    path = Path(path)
+    cfg = ModelConfig.from_hf(_read_config(path))
+    state = _read_weights(_weight_files(path))
+    # HF names: model.layers.0.self_attn.q_proj.weight …; ours drop the "model." prefix.
+    ours = fuse_projections({k.removeprefix("model."): v for k, v in state.items()})
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = set(model.state_dict().keys())
+    if cfg.tie_word_embeddings:
+        ours.pop("lm_head.weight", None)
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - set(ours))
+    unexpected = sorted(k for k in set(ours) - expected if "rotary_emb" not in k)
+    if missing:
+        raise CheckpointError(f"{path}: weights missing for {len(missing)} tensors, e.g. {missing[:3]}")
+    if unexpected:
+        raise CheckpointError(f"{path}: unexpected tensors {unexpected[:3]} (wrong architecture?)")
+    for name, param in model.state_dict().items():
+        if name in ours and tuple(ours[name].shape) != tuple(param.shape):
+            raise CheckpointError(f"{path}: tensor {name} has shape {tuple(ours[name].shape)}, "
+                                  f"config implies {tuple(param.shape)}")
+    model = model.to_empty(device=device)
+    model.load_state_dict({k: v for k, v in ours.items() if k in expected}, strict=False)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = RotaryEmbedding(cfg.rope)  # built under "meta" above; make the real tables
+    return model.to(dtype).eval().requires_grad_(False)
