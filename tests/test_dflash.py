@@ -133,7 +133,7 @@ def test_greedy_dflash_equals_plain_on_the_demo_model(demo):
     drafter = load_dflash(DEMO / "dflash", target)
     rows = [json.loads(line)["prompt"] for line in (DEMO / "heldout_prompts.jsonl").read_text().splitlines()]
     prompts = [tok.encode(p).ids for p in (rows[0], rows[5], rows[-1])]
-    prompts.append(tok.encode((ROOT / "specserve" / "engine.py").read_text()).ids[:700])
+    prompts.append(tok.encode((ROOT / "specserve" / "core" / "engine.py").read_text()).ids[:700])
     engine = _engine(target, drafter)
     reqs = lambda m: [GenerationRequest(f"{m}{i}", p, SamplingParams(max_tokens=32), m) for i, p in enumerate(prompts)]
     spec = engine.generate(reqs("dflash"))
