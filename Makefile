@@ -49,14 +49,13 @@ dspark-bench: install
 
 # DFlash vs EAGLE vs none through Triton (C=1 and 8), block-size / W / r sweeps, memory per sequence.
 dflash-bench: install
-	OMP_NUM_THREADS=1 flock /tmp/specserve-bench.lock $(PY) benchmarks/dflash_bench.py --prompts 8 --new-tokens 64 \
+	OMP_NUM_THREADS=1 $(PY) benchmarks/dflash_bench.py --prompts 8 --new-tokens 64 \
 		--concurrency 1,8 --threads 1 --out docs/dflash/bench.json
 # MTP multi-draft, remote (the default) and fused, vs none / eagle / the draft model through Triton
 # (two servers, EAGLE fused in both), on clean, typo'd and renamed held-out prompts; ~15 min here.
-# The in-process tree-budget / per-proposer sweeps: add --in-process all. Timing runs hold the
-# shared bench lock.
+# The in-process tree-budget / per-proposer sweeps: add --in-process all.
 mtp-bench: install
-	flock /tmp/specserve-bench.lock $(PY) benchmarks/mtp_bench.py --prompts 12 --new-tokens 64 --in-process none \
+	$(PY) benchmarks/mtp_bench.py --prompts 12 --new-tokens 64 --in-process none \
 		--out docs/mtp/bench.json
 
 # On a GPU machine (NGC PyTorch container): GPU-marked tests + the bf16 8B-shape timing table

@@ -13,7 +13,7 @@ an order rotated per prompt, so ratios never come from different runs or machine
 
     python benchmarks/eagle_triton_bench.py [--prompts 16] [--new-tokens 64] [--dtype bfloat16] [--out F.json]
 
-Per configuration: mean acceptance length (accepted + 1 per step, DESIGN.md §4), drafted and
+Per configuration: mean acceptance length (accepted + 1 per step, docs/design.md, 'State and verification'), drafted and
 verified tokens per step, tokens/s and the wall-clock speedup over `none`, and where a decode step
 goes (ms): the proposer call, the verify forward with acceptance, and the rest (engine
 bookkeeping, detokenising, the response path through Triton), all from the engine's own

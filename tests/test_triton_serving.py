@@ -167,7 +167,7 @@ def test_16_concurrent_streams_each_equal_their_solo_output(llama):
 
 
 # (case, text_input, sampling_parameters, the error's message). Every case runs over gRPC
-# streaming and over HTTP generate; the README's table of bad inputs is this list.
+# streaming and over HTTP generate; docs/reliability/README.md's table of bad inputs is this list.
 HUGE = "x" * 2_200_000  # refused by size before it is tokenized
 BAD_INPUTS = [
     ("missing text_input", None, {"max_tokens": 4}, "missing required input 'text_input'"),

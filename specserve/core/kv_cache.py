@@ -1,6 +1,6 @@
 """The KV cache: one preallocated pool, a slot per sequence, a valid length per slot.
 
-Layout (DESIGN.md §4):  k, v : [layers, slots, kv_heads, max_len, head_dim]
+Layout (docs/design.md, 'State and verification'):  k, v : [layers, slots, kv_heads, max_len, head_dim]
 
 - A sequence owns a slot while it runs. `lengths[slot]` counts the entries that hold the KV of
   committed tokens; everything at or past it is stale and is masked out by the caller and

@@ -1,6 +1,6 @@
 """The proposer interface every drafter implements, fused (in-process) or remote (Triton/BLS).
 
-Terminology (DESIGN.md §4, defined once here): a step DRAFTS k tokens; the target ACCEPTS a
+Terminology (docs/design.md, 'State and verification'; defined once here): a step DRAFTS k tokens; the target ACCEPTS a
 prefix of them (a root-to-node path, for trees); on the first rejection it emits a RECOVERED
 token, and if every drafted token on the path is accepted it emits a BONUS token. ACCEPTANCE
 LENGTH = accepted + 1 (the recovered / bonus token counts), averaged over steps.

@@ -1,4 +1,4 @@
-"""The static step: one speculative step as a fixed-shape, branch-free computation (DESIGN.md §3).
+"""The static step: one speculative step as a fixed-shape, branch-free computation (docs/design.md, 'The methods').
 
 For a batch bucket B and a draft length K, a step is a function of device tensors only:
 

@@ -1,5 +1,5 @@
 """The text-type gate: a small classifier decides per request whether DFlash runs or the
-request's fallback method does (DESIGN.md §3, DFlash).
+request's fallback method does (docs/design.md, 'The methods': DFlash).
 
 DFlash drafts a whole block per step, which pays off where the continuation is predictable, as
 in code and structured text (JSON, YAML, SQL …); on natural language a block is expected to be

@@ -1,7 +1,7 @@
 """Start and stop a real `tritonserver`: find the binary, prepare its backends, wait for ready.
 
 Shared by `specserve serve`, `make demo` and the Triton tests, so the four things the CPU build
-needs (DESIGN.md §7) are written down once:
+needs (docs/design.md, 'Running Triton on CPU') are written down once:
 
   1. the Python backend stub for this interpreter next to `libtriton_python.so` in the backend
      directory we pass (a private copy: never write into site-packages);

@@ -2,7 +2,7 @@
 
 `model_repository/<model>/1/model.py` are the adapters (checked in); every `config.pbtxt` is
 written here from `schema.py`, never by hand. Deployment settings (checkpoint path, engine sizes)
-travel as model config parameters, because ensembles cannot carry constants (DESIGN.md §2).
+travel as model config parameters, because ensembles cannot carry constants (docs/design.md, 'The shape').
 
     work_dir/model_repository/
       preprocess/       config.pbtxt  1/model.py

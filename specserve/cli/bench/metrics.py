@@ -13,7 +13,7 @@ Definitions (per request; errored requests are counted, never timed):
 Per method and phase: P50 / P90 / P99 (linear interpolation between closest ranks, numpy's
 default), mean, population standard deviation; output-token and request throughput over the sum of
 the method's windows (`events.Window`); mean acceptance length = (accepted + steps) / steps summed
-over requests (so averaged over steps, as DESIGN.md §4 defines it); draft tokens per step.
+over requests (so averaged over steps, as docs/design.md, 'State and verification', defines it); draft tokens per step.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DFlash's bounded context memory: what the block drafter remembers of a sequence (DESIGN.md §3).
+"""DFlash's bounded context memory: what the block drafter remembers of a sequence (docs/design.md, 'The methods').
 
 A sequence's n committed tokens each have a FUSED feature vector f_t [D] (the drafter's learned
 projection of several target layers). The memory keeps, per sequence:

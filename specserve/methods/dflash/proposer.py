@@ -1,4 +1,4 @@
-"""DFlash: one-pass block drafting over a bounded memory of target features (DESIGN.md §3).
+"""DFlash: one-pass block drafting over a bounded memory of target features (docs/design.md, 'The methods').
 
 The drafter proposes a whole block in ONE forward pass. With t_p the sequence's pending token
 (the last accepted one, whose target features do not exist yet) and block size B:

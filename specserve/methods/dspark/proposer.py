@@ -1,5 +1,5 @@
 """DSPark: the whole speculative step with the fused EAGLE drafter as one static computation per
-(batch bucket B, draft length K, KV span S, greedy/sampled) — DESIGN.md §3.
+(batch bucket B, draft length K, KV span S, greedy/sampled) — docs/design.md, 'The methods'.
 
 One step, all on the device, no host decision inside:
 

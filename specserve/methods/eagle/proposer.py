@@ -1,4 +1,4 @@
-"""EAGLE drafting with a calibration head (DESIGN.md §3).
+"""EAGLE drafting with a calibration head (docs/design.md, 'The methods').
 
 The draft backbone autoregresses at the feature level. With f_i the target's final (normed)
 hidden state at token t_i, a "pair" i is (f_i, t_{i+1}):

@@ -1,5 +1,5 @@
 """`mtp`: several proposers draft at once, the arbiter merges their drafts into one tree, the target
-verifies the tree in one forward (DESIGN.md §3, "MTP multi-draft + arbiter"). Fused placement:
+verifies the tree in one forward (docs/design.md, 'The methods': MTP). Fused placement:
 every sub-proposer runs in the engine process; remote_mtp.py is the remote placement.
 
 Per step and row:
