@@ -16,8 +16,10 @@ from specserve.core.cuda_graphs import GraphCache
 from specserve.core.engine import Engine, EngineConfig, GenerationRequest
 from specserve.model.transformer import load_model
 from specserve.methods.dspark.proposer import DSParkProposer, StepKey, draft_lengths
-from specserve.methods.eagle.proposer import EagleProposer, load_eagle
+from specserve.methods.eagle.drafter import load_eagle
+from specserve.methods.eagle.proposer import EagleProposer
 from specserve.core.sampling import SamplingParams
+from specserve.core.static_step import to_host
 from test_eagle import random_drafter, two_token_joint_tv
 
 ROOT = Path(__file__).resolve().parents[1]
