@@ -62,7 +62,7 @@ WORKDIR /opt/specserve
 RUN python3 -m pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 COPY . /opt/specserve
 # pyproject.toml brings nvidia-pytriton==0.7.0 (tritonserver 2.51 with the Python backend) and
-# numpy<2, which the Python backend stub needs (DESIGN.md section 7).
+# numpy<2, which the Python backend stub needs (docs/design.md, "Running Triton on CPU").
 RUN python3 -m pip install -e /opt/specserve \
  && useradd --uid 1000 --no-create-home --home-dir /var/lib/specserve specserve \
  && mkdir -p /var/lib/specserve && chown 1000:1000 /var/lib/specserve \

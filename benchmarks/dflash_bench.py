@@ -60,10 +60,11 @@ def sweeps(args, log=print) -> dict:
 
     from specserve.core.engine import Engine, EngineConfig, GenerationRequest
     from specserve.model.transformer import load_model
-    from specserve.methods.dflash.proposer import DFlashProposer, load_dflash, narrowed
+    from specserve.methods.dflash.drafter import load_dflash, narrowed
+    from specserve.methods.dflash.proposer import DFlashProposer
     from specserve.methods.ngram.proposer import NgramProposer
     from specserve.core.sampling import SamplingParams
-    from specserve.serving.build import resolve_drafter_dtype
+    from specserve.model.devices import resolve_drafter_dtype
     from specserve.model.tokenizer import load_tokenizer
 
     torch.set_num_threads(args.threads)
@@ -111,7 +112,7 @@ def memory_table() -> dict:
     import torch
 
     from specserve.model.transformer import load_model
-    from specserve.methods.dflash.proposer import load_dflash
+    from specserve.methods.dflash.drafter import load_dflash
     from specserve.methods.dflash.memory import SequenceMemory, budget_bytes, full_feature_bytes
 
     target = load_model(DEMO / "target")

@@ -55,8 +55,9 @@ def _engine(span_set: str, max_num_seqs: int):
     from specserve.core.engine import Engine, EngineConfig
     from specserve.model.transformer import load_model
     from specserve.methods.dspark.proposer import DSParkProposer
-    from specserve.methods.eagle.proposer import EagleProposer, load_eagle
-    from specserve.serving.build import resolve_drafter_dtype
+    from specserve.methods.eagle.drafter import load_eagle
+    from specserve.methods.eagle.proposer import EagleProposer
+    from specserve.model.devices import resolve_drafter_dtype
 
     target = load_model(DEMO / "target")
     drafter = load_eagle(DEMO / "eagle", target, dtype=resolve_drafter_dtype("auto", target))

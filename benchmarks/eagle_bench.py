@@ -29,12 +29,13 @@ import torch
 
 from specserve.core.engine import Engine, EngineConfig, GenerationRequest
 from specserve.model.transformer import load_model
-from specserve.methods.eagle.proposer import EagleProposer, load_eagle
+from specserve.methods.eagle.drafter import load_eagle
+from specserve.methods.eagle.proposer import EagleProposer
 from specserve.methods.eagle.export import export
 from specserve.methods.eagle.onnx_runtime import CalibrationOnnxRuntime, EagleOnnxRuntime, in_process_call
 from specserve.methods.remote import RemoteProposer
 from specserve.core.sampling import SamplingParams
-from specserve.serving.build import DRAFTER_DTYPES, resolve_drafter_dtype
+from specserve.model.devices import DRAFTER_DTYPES, resolve_drafter_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
 

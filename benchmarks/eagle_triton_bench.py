@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from specserve.serving.build import DTYPES  # noqa: E402 (after the sys.path line above)
+from specserve.model.devices import DTYPES  # noqa: E402 (after the sys.path line above)
 
 # name → (server, sampling-parameter overrides)
 CONFIGS: dict[str, tuple[str, dict]] = {

@@ -72,7 +72,7 @@ def random_target(args):
 
 
 def random_drafter(model):
-    from specserve.methods.eagle.proposer import EagleDrafter
+    from specserve.methods.eagle.drafter import EagleDrafter
 
     cfg = model.cfg.__class__(**{**model.cfg.__dict__, "num_layers": 1})
     with torch.device(model.device):

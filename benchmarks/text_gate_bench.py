@@ -41,7 +41,7 @@ def prompts() -> list[str]:
 
 
 def in_process(texts: list[str], rounds: int) -> dict:
-    from specserve.serving.text_gate import TextClassifier, features
+    from specserve.serving.text_classifier import TextClassifier, features
 
     clf = TextClassifier(CLASSIFIER)
     feat, onnx, total = [], [], []

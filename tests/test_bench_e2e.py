@@ -13,7 +13,7 @@ import pytest
 from specserve.cli.bench.command import main
 from specserve.cli.bench.fallback import random_checkpoint
 from specserve.model.transformer import load_model
-from specserve.methods.eagle.proposer import save_eagle
+from specserve.methods.eagle.drafter import save_eagle
 from test_eagle import random_drafter
 
 pytestmark = pytest.mark.triton

@@ -11,7 +11,8 @@ import torch
 
 from specserve.core.engine import Engine, EngineConfig, GenerationRequest
 from specserve.model.transformer import load_model
-from specserve.methods.eagle.proposer import EagleProposer, load_eagle
+from specserve.methods.eagle.drafter import load_eagle
+from specserve.methods.eagle.proposer import EagleProposer
 from specserve.methods.eagle.export import export
 from specserve.methods.eagle.onnx_runtime import CalibrationOnnxRuntime, EagleOnnxRuntime, in_process_call
 from specserve.methods.remote import RemoteProposer

@@ -1,4 +1,4 @@
-"""DFlash (specserve/methods/dflash/proposer.py): greedy output equals plain decoding on the demo model;
+"""DFlash (specserve/methods/dflash/): greedy output equals plain decoding on the demo model;
 sampled output follows the target distribution; the bounded memory keeps exactly what training
 computes and stays within W + n/W + r; the repetition guard triggers and releases; spec_fallback."""
 
@@ -13,8 +13,8 @@ import torch
 from conftest import make_tiny_checkpoint
 from specserve.core.engine import Engine, EngineConfig, GenerationRequest, RequestRejected
 from specserve.model.transformer import load_model
-from specserve.methods.dflash.proposer import (DFlashDrafter, DFlashProposer, dflash_config_for, load_dflash,
-                                        save_dflash, stack_views)
+from specserve.methods.dflash.drafter import DFlashDrafter, dflash_config_for, load_dflash, save_dflash
+from specserve.methods.dflash.proposer import DFlashProposer, stack_views
 from specserve.methods.dflash.memory import (SequenceMemory, batched_views, budget_bytes,
                                                full_feature_bytes)
 from specserve.methods.ngram.proposer import NgramProposer
@@ -221,7 +221,7 @@ def test_save_and_load_roundtrip(tmp_path):
 
 
 def test_serve_finds_every_drafter_beside_the_demo_target():
-    from specserve.cli.main import CliError, resolve_drafters
+    from specserve.cli.checks import CliError, resolve_drafters
 
     target = DEMO / "target"
     found = resolve_drafters(target, [], False)

@@ -12,8 +12,8 @@ import torch
 from conftest import make_tiny_checkpoint
 from specserve.core.engine import Engine, EngineConfig, GenerationRequest
 from specserve.model.transformer import CheckpointError, load_model
-from specserve.methods.draft.proposer import (PROBE, DraftModelProposer, TokenizerMismatch, check_tokenizer,
-                                             load_draft_model)
+from specserve.methods.draft.drafter import PROBE, TokenizerMismatch, check_tokenizer, load_draft_model
+from specserve.methods.draft.proposer import DraftModelProposer
 from specserve.core.sampling import SamplingParams
 from test_eagle import two_token_joint_tv
 
@@ -178,7 +178,7 @@ def test_demo_draft_model_greedy_equals_none_and_is_accepted():
 
 
 def test_drafter_flag_and_discovery_beside_the_target(tmp_path):
-    from specserve.cli.main import CliError, resolve_drafters
+    from specserve.cli.checks import CliError, resolve_drafters
 
     target = DEMO / "target"
     found = dict(resolve_drafters(target, [], False))

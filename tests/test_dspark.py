@@ -16,8 +16,10 @@ from specserve.core.cuda_graphs import GraphCache
 from specserve.core.engine import Engine, EngineConfig, GenerationRequest
 from specserve.model.transformer import load_model
 from specserve.methods.dspark.proposer import DSParkProposer, StepKey, draft_lengths
-from specserve.methods.eagle.proposer import EagleProposer, load_eagle
+from specserve.methods.eagle.drafter import load_eagle
+from specserve.methods.eagle.proposer import EagleProposer
 from specserve.core.sampling import SamplingParams
+from specserve.core.static_step import to_host
 from test_eagle import random_drafter, two_token_joint_tv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,19 +170,25 @@ def test_cuda_graph_replay_equals_eager_and_plain():
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_graph_replay_has_no_host_sync():
+    """A captured step, run as the proposer runs it (its device inputs copied into the graph's
+    buffers, then the replay), makes no synchronising CUDA call; the step's one host sync is the
+    read of its outputs (static_step.to_host), which the same check catches, so it is live."""
     _, engine = _cuda_engine("graph")
     prop = engine.proposers["dspark"]
     engine.generate(reqs("dspark", PROMPTS[:2], 8))  # captures the keys it uses
-    key = next(iter(prop._graphs.graphs))
-    graph = prop._graphs.graphs[key]
+    key, graph = next(iter(prop._graphs.graphs.items()))
+    assert isinstance(key, StepKey) and graph.graph is not None   # captured, not run eagerly
+    inputs = prop._example(key)   # on the device, like the inputs the proposer builds per step
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        graph.graph.replay()
+        out = prop._graphs.run(key, inputs)["out"]   # raises on any synchronising call
+        with pytest.raises(RuntimeError, match="called a synchronizing CUDA operation"):
+            to_host(out)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    assert isinstance(key, StepKey)
+    assert to_host(out).shape[0] == key.B
 
 
 @pytest.mark.gpu

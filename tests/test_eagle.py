@@ -10,7 +10,8 @@ import torch
 from conftest import make_tiny_checkpoint
 from specserve.core.engine import Engine, EngineConfig, GenerationRequest
 from specserve.model.transformer import CheckpointError, load_model
-from specserve.methods.eagle.proposer import EagleDrafter, EagleProposer, load_eagle, save_eagle
+from specserve.methods.eagle.drafter import EagleDrafter, load_eagle, save_eagle
+from specserve.methods.eagle.proposer import EagleProposer
 from specserve.core.sampling import SamplingParams, target_probs
 
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7, 7, 300, 12], [11, 12, 13, 14, 11, 12, 13], [77],

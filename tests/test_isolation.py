@@ -218,6 +218,39 @@ def test_the_loop_survives_a_failing_callback_and_a_failing_step(model):
         loop.stop()
 
 
+def test_a_held_loop_decodes_nothing_yet_ends_a_cancelled_request_and_resumes_when_released(model):
+    """The test hook behind SPECSERVE_TEST_HOLD_FILE: a request stays in flight, one token long,
+    for as long as the hold lasts; a cancel still ends it with its reason."""
+    engine = make_engine(model)
+    held = threading.Event()
+    held.set()
+    outs, first, finished = [], threading.Event(), {"a": threading.Event(), "b": threading.Event()}
+
+    def on_output(o):
+        outs.append(o)
+        first.set()
+        if o.finished:
+            finished[o.request_id].set()
+
+    loop = EngineLoop(engine, on_output, hold=held.is_set).start()
+    try:
+        loop.submit(req("a", PROMPTS[0], n=50))
+        assert first.wait(60)                     # its prefill ran with the submit; then the hold
+        loop.cancel("a", "the drain time ran out")
+        assert finished["a"].wait(60)
+        a = [o for o in outs if o.request_id == "a"]
+        assert [t for o in a for t in o.new_token_ids] == solo(model, req("a", PROMPTS[0], n=1))
+        assert (a[-1].finish_reason, a[-1].error) == ("abort", "the drain time ran out")
+        loop.submit(req("b", PROMPTS[1], n=5))
+        held.clear()
+        assert finished["b"].wait(60)
+    finally:
+        held.clear()
+        loop.stop()
+    b = [t for o in outs if o.request_id == "b" for t in o.new_token_ids]
+    assert b == solo(model, req("b", PROMPTS[1], n=5))
+
+
 def test_engine_ended_requests_carry_their_reason(model):
     engine = make_engine(model)
     engine.submit(req("z", PROMPTS[0], n=50))

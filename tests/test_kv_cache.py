@@ -7,7 +7,8 @@ import torch
 
 from specserve.core.kv_cache import CacheFull
 from specserve.core.masks import build_mask, chain_parents
-from specserve.model.transformer import ForwardBatch, load_model
+from specserve.core.forward import ForwardBatch
+from specserve.model.transformer import load_model
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7]
 

@@ -10,7 +10,8 @@ import transformers
 
 from conftest import make_tiny_checkpoint
 from specserve.core.masks import build_mask, chain_parents
-from specserve.model.transformer import CheckpointError, ForwardBatch, load_model
+from specserve.core.forward import ForwardBatch
+from specserve.model.transformer import CheckpointError, load_model
 
 TOL = 1e-4
 

@@ -433,7 +433,7 @@ def test_remote_mtp_proposes_the_fused_trees_with_all_four_drafters(four_drafter
     from specserve.methods.draft.proposer import DraftModelProposer
     from specserve.methods.eagle.onnx_runtime import CalibrationOnnxRuntime, EagleOnnxRuntime
     from specserve.methods.eagle.onnx_runtime import in_process_call as eagle_call
-    from specserve.methods.mtp.heads import MTPHeadsProposer
+    from specserve.methods.mtp.heads_proposer import MTPHeadsProposer
     from specserve.methods.mtp.proposer import SUBPROPOSERS
     from specserve.methods.mtp.remote import RemoteMTPProposer, draft_call, heads_call, in_process_call
     from specserve.methods.mtp.remote_drafters import DraftModelService, HeadsOnnxRuntime
@@ -541,7 +541,7 @@ def test_mtp_runs_remote_by_default_whatever_eagles_placement(tmp_path, monkeypa
     """mtp's placement is its own (default remote): with EAGLE fused, the repository still has
     mtp_proposal and the EAGLE models it reuses, and the engine's mtp is the remote proposer while
     its eagle stays fused; --mtp-placement fused renders none of them. Remote needs an EAGLE drafter."""
-    from specserve.methods.eagle.proposer import save_eagle
+    from specserve.methods.eagle.drafter import save_eagle
     from specserve.methods.mtp.remote import RemoteMTPProposer
     from specserve.serving.build import build_engine, mtp_runs_remote
     from specserve.triton.render import RepositorySettings, render_repository, verifier_settings

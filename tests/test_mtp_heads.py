@@ -13,10 +13,12 @@ import torch
 
 from conftest import make_tiny_checkpoint
 from specserve.core.engine import Engine, EngineConfig, GenerationRequest
-from specserve.model.transformer import CheckpointError, ForwardBatch, load_model
+from specserve.core.forward import ForwardBatch
+from specserve.model.transformer import CheckpointError, load_model
 from specserve.core.proposer import DraftRequest, ProposerError
-from specserve.methods.mtp.heads import (MTPConfig, MTPHeads, MTPHeadsProposer, _target_fields, export_mtp_onnx,
-                                     head_agreement, load_mtp_heads, save_mtp_heads)
+from specserve.methods.mtp.heads import (MTPConfig, MTPHeads, _target_fields, export_mtp_onnx, head_agreement,
+                                     load_mtp_heads, save_mtp_heads)
+from specserve.methods.mtp.heads_proposer import MTPHeadsProposer
 from specserve.core.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,11 +4,14 @@ of `specserve serve` on SIGTERM.
 
 The checkpoint is a tiny random Qwen2 without EOS, so a request runs exactly max_tokens tokens.
 Nothing here asserts on timing: long requests (1000+ tokens) only make sure that requests are
-still in flight while the test does the next thing, and every wait is for an event.
+still in flight while the test does the next thing, and every wait is for an event. Where a
+request must provably still be in flight (through a shutdown), the engine is held
+(SPECSERVE_TEST_HOLD_FILE: while the file exists it decodes nothing) instead of raced.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import subprocess
@@ -23,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_served_checkpoint, running_server
+from specserve.serving.verifier_service import HOLD_FILE_ENV
 from specserve.triton.client import CompletionError, StreamClient, build_inputs
 from specserve.triton.launch import Ports
 from specserve.triton.render import RepositorySettings, render_repository
@@ -126,16 +130,18 @@ def test_a_nan_temperature_request_beside_four_streams_fails_alone(server):
 
 # -- specserve serve as a user runs it: overload and SIGTERM ------------------------------------
 class Served:
-    """`specserve serve` in a subprocess on fresh ports (started again if a port was taken)."""
+    """`specserve serve` in a subprocess on fresh ports (started again if a port was taken). With
+    `hold`, the engine decodes nothing while that file exists."""
 
-    def __init__(self, ckpt: Path, work: Path, *args: str):
+    def __init__(self, ckpt: Path, work: Path, *args: str, hold: Path | None = None):
+        env = {**os.environ, **({HOLD_FILE_ENV: str(hold)} if hold is not None else {})}
         for _ in range(5):
             self.ports = Ports.free()
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "specserve.cli.main", "serve", "--target", str(ckpt),
                  "--http-port", str(self.ports.http), "--grpc-port", str(self.ports.grpc),
                  "--metrics-port", str(self.ports.metrics), "--work-dir", str(work), *args],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
             self.lines: list[str] = []
             for line in self.proc.stdout:
                 self.lines.append(line)
@@ -173,11 +179,15 @@ REFUSED_AFTER_SIGTERM = ("the server is shutting down and accepts no new request
 
 
 def test_overload_is_refused_at_once_and_sigterm_drains_streams_to_their_end(ckpt, tmp_path):
-    served = Served(ckpt, tmp_path / "work", "--max-num-seqs", "2", "--max-queue-len", "2")
+    # The drain time is far beyond what the streams need: they are to end by finishing, not by it.
+    hold = tmp_path / "hold"
+    served = Served(ckpt, tmp_path / "work", "--max-num-seqs", "2", "--max-queue-len", "2",
+                    "--drain-timeout", "600", hold=hold)
     try:
         prompts = [f"drain {i}" for i in range(4)]
         want = {p: gen(served.grpc_url, p, {"max_tokens": LONG}, timeout=300) for p in prompts}
         metrics_url = f"http://localhost:{served.ports.metrics}/metrics"
+        hold.touch()   # the streams below stay in flight, a few tokens long, until it is removed
 
         def overload_then_sigterm():
             # Two are streaming; the other two hold the queue's 2 places.
@@ -196,6 +206,7 @@ def test_overload_is_refused_at_once_and_sigterm_drains_streams_to_their_end(ckp
             with pytest.raises(CompletionError) as err:
                 gen(served.grpc_url, "too late", {"max_tokens": 4}, timeout=30)
             assert any(m in str(err.value) for m in REFUSED_AFTER_SIGTERM), str(err.value)
+            hold.unlink()
 
         got, _ = during_streams(lambda p, on_chunk: StreamClient(served.grpc_url).generate(
             p, {"max_tokens": LONG}, timeout=300, on_chunk=on_chunk), prompts, overload_then_sigterm, started=2)
@@ -203,8 +214,9 @@ def test_overload_is_refused_at_once_and_sigterm_drains_streams_to_their_end(ckp
             assert (g.text, g.num_output_tokens, g.finish_reason) == (want[p].text, LONG, "length")
         assert served.proc.wait(90) == 0, "".join(served.lines[-40:])
         out = "".join(served.lines)
-        assert "specserve: draining (up to 30 s for in-flight requests)" in out and "drained" in out
+        assert "specserve: draining (up to 600 s for in-flight requests)" in out and "drained" in out
     finally:
+        hold.unlink(missing_ok=True)
         served.stop()
 
 
@@ -213,7 +225,8 @@ def test_a_lost_engine_model_is_reloaded_and_sigterm_ends_what_outlives_the_drai
     from tritonclient.utils import InferenceServerException
 
     from specserve.serving.auth import grpc_headers
-    served = Served(ckpt, tmp_path / "work", "--drain-timeout", "1")
+    hold = tmp_path / "hold"
+    served = Served(ckpt, tmp_path / "work", "--drain-timeout", "1", hold=hold)
     try:
         want = gen(served.grpc_url, "after the reload", {"max_tokens": 16}).text
         # Model control is closed to clients; with the admin key an operator can unload the engine...
@@ -233,6 +246,9 @@ def test_a_lost_engine_model_is_reloaded_and_sigterm_ends_what_outlives_the_drai
         assert gen(served.grpc_url, "after the reload", {"max_tokens": 16}).text == want
 
         started, result = threading.Event(), queue.Queue()
+        # Held from its submit on, the request gets its first token and no more: it outlives the
+        # drain time whatever the machine's load.
+        hold.touch()
 
         def run():
             try:
@@ -250,4 +266,5 @@ def test_a_lost_engine_model_is_reloaded_and_sigterm_ends_what_outlives_the_drai
         assert served.proc.wait(90) == 0, "".join(served.lines[-40:])
         assert "drain time over; ending 1 request(s) with an error" in "".join(served.lines)
     finally:
+        hold.unlink(missing_ok=True)
         served.stop()

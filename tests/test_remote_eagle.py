@@ -112,7 +112,7 @@ def test_remote_drafts_equal_fused_drafts(setup):
 
 def _prefill(target, prompt):
     from specserve.core.masks import build_mask, chain_parents
-    from specserve.model.transformer import ForwardBatch
+    from specserve.core.forward import ForwardBatch
 
     T = len(prompt)
     mask, pos = build_mask([0], [chain_parents(T)], T)

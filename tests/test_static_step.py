@@ -9,7 +9,8 @@ import torch
 
 from conftest import make_tiny_checkpoint
 from specserve.core.masks import build_mask, chain_parents
-from specserve.model.transformer import ForwardBatch, load_model
+from specserve.core.forward import ForwardBatch
+from specserve.model.transformer import load_model
 from specserve.core.proposer import Draft
 from specserve.core.sampling import SamplingParams
 from specserve.core.static_step import (DeviceKV, SamplingTensors, StepInputs, acceptance, bucket_for, draw,

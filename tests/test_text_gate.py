@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specserve.serving.text_gate import (DEFAULT_FALLBACK, Classification, ClassifierUnavailable, FeatureParams, GateError,
-                                 TextClassifier, TextGate, check_text_types, features, parse_text_types,
-                                 resolve_fallback, route)
+from specserve.serving.text_classifier import (Classification, ClassifierUnavailable, FeatureParams, GateError,
+                                               TextClassifier, check_text_types, features, parse_text_types)
+from specserve.serving.text_gate import DEFAULT_FALLBACK, TextGate, resolve_fallback, route
 from specserve.serving.build import GATED_METHOD
 from specserve.serving.params import BadRequest, RequestConfig, make_request_config
 from specserve.serving.tiers import ServerLimits, Tier, TierError, parse_tier
@@ -269,7 +269,8 @@ def test_renderer_serves_the_classifier_and_configures_preprocess(tmp_path):
 
 
 def test_cli_resolves_the_classifier():
-    from specserve.cli.main import CliError, resolve_text_classifier
+    from specserve.cli.checks import CliError
+    from specserve.cli.main import resolve_text_classifier
 
     served = ["none", "ngram", GATED_METHOD]
     assert resolve_text_classifier(TARGET, None, False, served) == str(CLASSIFIER.resolve())   # found beside it

@@ -450,7 +450,7 @@ def test_the_native_calibration_head_equals_the_python_models(tmp_path):
     import onnxruntime as ort
 
     from specserve.model.transformer import load_model
-    from specserve.methods.eagle.proposer import save_eagle
+    from specserve.methods.eagle.drafter import save_eagle
     from specserve.methods.eagle.onnx_runtime import CalibrationOnnxRuntime
     from specserve.triton.render import render_eagle_proposal
     from test_eagle import random_drafter

@@ -12,7 +12,7 @@ import yaml
 from conftest import make_served_checkpoint, running_server
 from specserve.cli.main import SERVE_TRITON_ARGS, main
 from specserve.model.transformer import load_model
-from specserve.methods.eagle.proposer import save_eagle
+from specserve.methods.eagle.drafter import save_eagle
 from specserve.triton import tier_control
 from specserve.triton.client import CompletionError, StreamClient
 from specserve.triton.render import RepositorySettings, render_repository

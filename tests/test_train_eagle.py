@@ -10,7 +10,7 @@ import torch
 
 from conftest import make_tiny_checkpoint
 from specserve.model.transformer import load_model
-from specserve.methods.eagle.proposer import load_eagle
+from specserve.methods.eagle.drafter import load_eagle
 from specserve.model.tiny import CORPUS, train_tiny_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))

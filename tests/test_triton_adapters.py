@@ -291,7 +291,7 @@ def test_drafter_dtype_resolution(ckpt):
     import torch
 
     from specserve.model.transformer import load_model
-    from specserve.serving.build import resolve_drafter_dtype
+    from specserve.model.devices import resolve_drafter_dtype
     model = load_model(ckpt)
     want = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
     assert resolve_drafter_dtype("auto", model) == want

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import make_tiny_checkpoint
 from specserve.model.transformer import load_model
-from specserve.methods.eagle.proposer import save_eagle
+from specserve.methods.eagle.drafter import save_eagle
 from specserve.methods.mtp.heads import MTPConfig, MTPHeads, _target_fields, save_mtp_heads
 from specserve.model.tiny import train_tiny_tokenizer
 from specserve.triton import drafters

@@ -101,7 +101,7 @@ def run_target(target: Transformer, rows: list[list[int]], *, top_k: int, batch:
     tokens = torch.tensor(rows)  # [N, T]
     hidden, ids, vals = [], [], []
     for i in tqdm(range(0, len(rows), batch), desc=desc, unit="batch"):
-        from specserve.model.transformer import ForwardBatch  # noqa: PLC0415 — keeps the module import light
+        from specserve.core.forward import ForwardBatch  # noqa: PLC0415 — keeps the module import light
 
         x = tokens[i:i + batch]
         B, T = x.shape

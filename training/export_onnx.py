@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from specserve.model.transformer import load_model
-from specserve.methods.eagle.proposer import load_eagle
+from specserve.methods.eagle.drafter import load_eagle
 from specserve.methods.eagle.export import export
 
 __all__ = ["export", "main"]

@@ -8,7 +8,7 @@ Self-distillation (no labels from anywhere but the target):
            (final hidden state + the residual streams after the drafter's target layers, fp16)
            and its greedy choice at every position (argmax);
   blocks   per sequence, random anchor positions p; the block [t_p, mask × (B-1)] is drafted
-           over the memory the server would hold after p tokens (dflash_memory.batched_views:
+           over the memory the server would hold after p tokens (methods/dflash/memory.batched_views:
            the same ring, anchors and pool, computed for many positions at once);
   labels   block position k predicts the target's greedy token after t_p..t_{p+k-1}: the argmax
            at p+k-1, valid only while the sequence itself follows the target's greedy chain
@@ -39,8 +39,8 @@ from tqdm import tqdm
 
 from specserve.core.engine import Engine, EngineConfig, GenerationRequest
 from specserve.model.transformer import Transformer, load_model
-from specserve.methods.dflash.proposer import (DFlashDrafter, DFlashProposer, dflash_config_for, init_from_target,
-                                        save_dflash)
+from specserve.methods.dflash.drafter import DFlashDrafter, dflash_config_for, init_from_target, save_dflash
+from specserve.methods.dflash.proposer import DFlashProposer
 from specserve.methods.dflash.memory import batched_views
 from specserve.methods.ngram.proposer import NgramProposer
 from specserve.core.sampling import SamplingParams
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.text_file is None and prompts_file.is_file():
         rows = [json.loads(line) for line in prompts_file.read_text().splitlines()]
         prompts = [tokenizer.encode(r["prompt"]).ids for r in rows]
-        from specserve.methods.dflash.proposer import load_dflash
+        from specserve.methods.dflash.drafter import load_dflash
 
         served = load_dflash(args.out, target)   # the stored (bf16) weights, as the server loads them
         heldout = heldout_acceptance(served, target, prompts, [r["kind"] for r in rows],

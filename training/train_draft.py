@@ -37,7 +37,8 @@ from run_checkpoint import resume, save  # noqa: E402
 from train_eagle import causal_batch  # noqa: E402 — the whole-sequence causal batch
 
 from specserve.model.transformer import ModelConfig, Transformer, load_model  # noqa: E402
-from specserve.methods.draft.proposer import DraftModelProposer, save_draft_model  # noqa: E402
+from specserve.methods.draft.drafter import save_draft_model  # noqa: E402
+from specserve.methods.draft.proposer import DraftModelProposer  # noqa: E402
 
 
 def load_cache(path: Path) -> DistillCache:
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     # Evaluate the model as saved (bf16 weights, loaded in fp32 as the engine serves it).
     from tokenizers import Tokenizer
 
-    from specserve.methods.draft.proposer import load_draft_model
+    from specserve.methods.draft.drafter import load_draft_model
 
     tokenizer = Tokenizer.from_file(str(args.target / "tokenizer.json"))
     saved = load_draft_model(args.out, target, tokenizer)

@@ -40,8 +40,10 @@ from tqdm import tqdm
 
 from specserve.core.engine import Engine, EngineConfig, GenerationRequest
 from specserve.core.masks import build_mask, chain_parents
-from specserve.model.transformer import ForwardBatch, Transformer, load_model
-from specserve.methods.eagle.proposer import CalibrationHead, EagleDrafter, EagleProposer, save_eagle
+from specserve.core.forward import ForwardBatch
+from specserve.model.transformer import Transformer, load_model
+from specserve.methods.eagle.drafter import CalibrationHead, EagleDrafter, save_eagle
+from specserve.methods.eagle.proposer import EagleProposer
 from specserve.core.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,7 +159,7 @@ class RecordingProposer(EagleProposer):
         self.pending = {r.seq_id: [] for r in requests}
         return super().propose(requests)
 
-    def _threshold(self, r):
+    def threshold_for(self, r):
         return 1.0  # any positive value: makes propose() call _calibrate (which never stops it)
 
     def _calibrate(self, h, logits, j):

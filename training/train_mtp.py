@@ -35,8 +35,9 @@ from run_checkpoint import resume, save  # noqa: E402
 
 from specserve.model.transformer import load_model  # noqa: E402
 from specserve.core.engine import Engine, EngineConfig, GenerationRequest  # noqa: E402
-from specserve.methods.mtp.heads import (MTPConfig, MTPHeads, MTPHeadsProposer, _target_fields,  # noqa: E402
-                                     head_agreement, load_mtp_heads, save_mtp_heads)
+from specserve.methods.mtp.heads import (MTPConfig, MTPHeads, _target_fields, head_agreement,  # noqa: E402
+                                     load_mtp_heads, save_mtp_heads)
+from specserve.methods.mtp.heads_proposer import MTPHeadsProposer  # noqa: E402
 from specserve.core.sampling import SamplingParams  # noqa: E402
 
 RECHECK_PROMPTS, RECHECK_NEW_TOKENS = 4, 48

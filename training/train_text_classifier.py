@@ -21,7 +21,7 @@ trained on); samples are prompt-sized (a few lines, 30..600 characters):
 The 40 prompts of models/demo/heldout_prompts.jsonl come from held-out documents only and are
 never trained on; they are evaluated separately (the realistic check).
 
-Features: specserve.serving.text_gate.features (the one implementation serving uses). Model: an MLP
+Features: specserve.serving.text_classifier.features (the one implementation serving uses). Model: an MLP
 D → 32 → 2, torch, seeded, one thread.
 
     python training/train_text_classifier.py [--out models/demo/text_classifier] [--threads 1]
@@ -48,8 +48,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "training"))
 import corpus  # noqa: E402
 
-from specserve.serving.text_gate import (CONFIG_FILE, MODEL_FILE, TEXT_TYPES, ClassifierConfig, FeatureParams,  # noqa: E402
-                                 TextClassifier, featurize)
+from specserve.serving.text_classifier import (CONFIG_FILE, MODEL_FILE, TEXT_TYPES, ClassifierConfig,  # noqa: E402
+                                               FeatureParams, TextClassifier, featurize)
 
 OUT = REPO / "models" / "demo" / "text_classifier"
 LICENSES = Path("/usr/share/common-licenses")

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         print(target)
         return 0
 
-    from specserve.cli.main import CliError, check_checkpoint, resolve_drafters
+    from specserve.cli.checks import CliError, check_checkpoint, resolve_drafters
     from specserve.triton.client import StreamClient
     from specserve.triton.launch import ServerStartError, TritonServer
     from specserve.triton.render import RepositorySettings, render_repository

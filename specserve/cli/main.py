@@ -16,16 +16,13 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from specserve.cli.checks import CliError, check_checkpoint, resolve_drafters
 from specserve.serving.auth import ADMIN_KEY_ENV, ADMIN_KEY_FILE
 from specserve.core.draft_policy import POLICIES
-from specserve.serving.build import DRAFTER_DTYPES, DTYPES
+from specserve.model.devices import DRAFTER_DTYPES, DTYPES
 
 # Kubernetes' terminationGracePeriodSeconds in deploy/k8s must exceed this (tests check it).
 DRAIN_TIMEOUT_S = 30.0
-
-
-class CliError(Exception):
-    """A problem the user can fix; printed without a traceback, exit status 2."""
 
 
 # -- serve ---------------------------------------------------------------------------------------
@@ -101,7 +98,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_text_gate(p: argparse.ArgumentParser) -> None:
-    from specserve.serving.text_gate import DEFAULT_DFLASH_TYPES, TEXT_TYPES
+    from specserve.serving.text_classifier import DEFAULT_DFLASH_TYPES, TEXT_TYPES
 
     p.add_argument("--text-classifier", type=Path, default=None, metavar="DIR",
                    help="text-type gate for dflash requests (specserve/serving/text_gate.py): a classifier folder "
@@ -120,7 +117,7 @@ def _add_text_gate(p: argparse.ArgumentParser) -> None:
 def resolve_text_classifier(target: Path, flag: Path | None, disabled: bool, methods: list[str]) -> str | None:
     """The classifier folder of the text-type gate: --text-classifier, else one beside the target
     when the gated method is served; None with --no-text-gate."""
-    from specserve.serving.text_gate import GateError, ClassifierConfig
+    from specserve.serving.text_classifier import ClassifierConfig, GateError
     from specserve.serving.build import GATED_METHOD
 
     if disabled:
@@ -150,54 +147,6 @@ def _check_port(port: int, flag: str) -> None:
             raise CliError(f"port {port} is already in use; choose another with {flag}") from None
 
 
-def check_checkpoint(target: Path, max_model_len: int | None) -> int:
-    """Fail fast, before starting a server, on a checkpoint the engine cannot serve.
-    Returns the max_model_len to use."""
-    from specserve.model.transformer import CheckpointError, load_config
-    from specserve.model.tokenizer import TokenizerError, load_tokenizer
-
-    try:
-        cfg = load_config(target)
-        load_tokenizer(target)
-    except (CheckpointError, TokenizerError) as e:
-        raise CliError(f"cannot serve {target}: {e}") from None
-    if not any(target.glob("*.safetensors")):
-        raise CliError(f"cannot serve {target}: no *.safetensors weights")
-    limit = cfg.max_position_embeddings
-    if max_model_len is None:
-        return min(limit, 2048)
-    if not 0 < max_model_len <= limit:
-        raise CliError(f"--max-model-len {max_model_len} must be in [1, {limit}] (the model's "
-                       f"max_position_embeddings)")
-    return max_model_len
-
-
-def resolve_drafters(target: Path, flags: list[str], disabled: bool) -> tuple[tuple[str, str], ...]:
-    """--drafter METHOD=DIR flags, else the drafters found beside the target (a folder named after
-    its method whose config.json says so: models/demo/eagle, …/dflash, …/draft, …/mtp)."""
-    import json
-
-    from specserve.serving.build import COMPOSITE_METHODS, DRAFTED
-
-    pairs = []
-    for flag in flags:
-        method, sep, folder = flag.partition("=")
-        if not sep or not folder:
-            raise CliError(f"--drafter expects METHOD=DIR, got {flag!r}")
-        if method not in (*DRAFTED, *COMPOSITE_METHODS):
-            raise CliError(f"--drafter: unknown method {method!r}; drafters: {', '.join((*DRAFTED, *COMPOSITE_METHODS))}")
-        if not (Path(folder) / "config.json").is_file():
-            raise CliError(f"--drafter {flag}: {folder} has no config.json")
-        pairs.append((method, folder))
-    if disabled:
-        return ()
-    for method in (*DRAFTED, *COMPOSITE_METHODS) if not pairs else ():
-        beside = target.resolve().parent / method / "config.json"
-        if beside.is_file() and json.loads(beside.read_text()).get("specserve_drafter") == method:
-            pairs.append((method, str(beside.parent)))
-    return tuple(pairs)
-
-
 def _load_tiers(path: Path | None, methods: list[str], max_draft_len: int, max_len: int) -> tuple:
     """The validated tiers of --tiers FILE (none without it); a bad file is the user's error."""
     from specserve.serving.build import STATIC_METHODS
@@ -216,7 +165,8 @@ def _interrupt(signum, frame) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from specserve.serving.build import resolve_device, served_methods
+    from specserve.model.devices import resolve_device
+    from specserve.serving.build import served_methods
     from specserve.triton.launch import ServerStartError, WorkDirLock
 
     max_len = check_checkpoint(args.target, args.max_model_len)
@@ -231,7 +181,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.default_method not in methods:
         raise CliError(f"--default-method {args.default_method!r} is not one of {', '.join(methods)}")
     args.tier_list = _load_tiers(args.tiers, methods, args.max_draft_len, max_len)
-    from specserve.serving.text_gate import GateError, parse_text_types
+    from specserve.serving.text_classifier import GateError, parse_text_types
 
     try:
         args.dflash_types = parse_text_types(args.dflash_text_types)

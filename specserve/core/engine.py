@@ -33,8 +33,8 @@ import torch
 from specserve.core.scheduling import AGING_STEPS, MAX_PRIORITY, PriorityAging
 from specserve.core.draft_policy import POLICIES, AcceptanceModel, DraftCost, choose
 from specserve.core.kv_cache import KVCache
+from specserve.core.forward import ForwardBatch, ForwardOutput, TargetModel
 from specserve.core.masks import build_mask
-from specserve.model.transformer import ForwardBatch, ForwardOutput, Transformer
 from specserve.core.proposer import (Draft, DraftRequest, Proposer, ProposerError, ProposerUnavailable,
                                       StepOutcome)
 from specserve.core.sampling import SamplingParams, make_generator, sample, target_probs
@@ -220,7 +220,7 @@ class _Sequence:
 
 
 class Engine:
-    def __init__(self, model: Transformer, config: EngineConfig,
+    def __init__(self, model: TargetModel, config: EngineConfig,
                  proposers: Mapping[str, Proposer] | None = None, *,
                  eos_token_ids: tuple[int, ...] | None = None,
                  detokenize: Callable[[list[int]], str] | None = None):

@@ -20,6 +20,11 @@ Pass a factory instead of an engine to build the engine ON this thread. Measured
 CPU machine: a model loaded on one thread and run on another decodes slower than one loaded and
 run on the same thread (demo model, batch-1 step: fp32 15.2 vs 14.0 ms, bf16 15.4 vs 10.3 ms),
 and in Triton `initialize` runs on the stub's main thread while decoding runs here.
+
+`hold` (tests only) pauses decoding: while it returns True the loop takes no step for running
+rows, but still applies the inbox (a submit, a cancel) with one step, so an ended request still
+gets its final output. Tests use it to keep a request provably in flight (the drain time at
+shutdown running out) instead of racing a long request against the clock.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from specserve.core.engine import Engine, GenerationRequest, RequestOutput, Requ
 
 log = logging.getLogger("specserve.core.engine_loop")
 
+HOLD_POLL_S = 0.05   # how often a held loop asks `hold` again (a test's hold is a file, not an event)
+
 
 @dataclass(frozen=True)
 class LoopState:
@@ -46,9 +53,11 @@ class LoopState:
 class EngineLoop:
     def __init__(self, engine: Union[Engine, Callable[[], Engine]], on_output: Callable[[RequestOutput], None],
                  on_failure: Callable[[str, BaseException], None] | None = None,
-                 on_state: Callable[[LoopState], None] | None = None):
+                 on_state: Callable[[LoopState], None] | None = None, *,
+                 hold: Callable[[], bool] | None = None):
         """on_failure(request_id, error) is called for every request of a step that raised.
         on_state(LoopState) after every step and every change of the queue.
+        hold() → True pauses decoding (a test hook; see the module docstring).
         `engine` may be a factory: start() then builds it on the loop thread (and re-raises
         its error, if any)."""
         self._factory = None if isinstance(engine, Engine) else engine
@@ -56,6 +65,7 @@ class EngineLoop:
         self._built = threading.Event()
         self._build_error: BaseException | None = None
         self._on_output, self._on_failure, self._on_state = on_output, on_failure, on_state
+        self._hold = hold
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._stopping = False
@@ -140,8 +150,8 @@ class EngineLoop:
             return
         while True:
             with self._wake:
-                while not self._stopping and not self._inbox and not self.engine.has_work():
-                    self._wake.wait()
+                while not self._stopping and not self._inbox and not self._may_step():
+                    self._wake.wait(HOLD_POLL_S if self._hold is not None and self.engine.has_work() else None)
                 if self._stopping:
                     return
                 inbox, self._inbox, self._queued = self._inbox, deque(), 0
@@ -149,6 +159,9 @@ class EngineLoop:
                 self._iteration(inbox)
             except BaseException:  # noqa: BLE001 — the loop must outlive any bug in its own handling
                 log.exception("engine loop iteration failed; continuing")
+
+    def _may_step(self) -> bool:
+        return self.engine.has_work() and not (self._hold is not None and self._hold())
 
     def _iteration(self, inbox: deque) -> None:
         rejected: list[tuple[str, BaseException]] = []

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.core.forward import ForwardBatch, TargetModel
 from specserve.core.kv_cache import KVCache
-from specserve.model.transformer import ForwardBatch, Transformer
 from specserve.core.sampling import SamplingParams
 
 # Attention spans: the smallest power of two (at least MIN_SPAN) covering the longest row, or
@@ -259,7 +259,7 @@ def chain_batch(tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor
     return ForwardBatch(tokens, positions, slots, lengths, mask)
 
 
-def target_step(model: Transformer, kv: DeviceKV, inp: StepInputs, span: int, *, sampled: bool) -> StepResult:
+def target_step(model: TargetModel, kv: DeviceKV, inp: StepInputs, span: int, *, sampled: bool) -> StepResult:
     """Verify forward + acceptance + commit for one bucket. Nothing here reads a device value on
     the host, so it can be captured as a CUDA graph (see specserve.core.cuda_graphs)."""
     batch = chain_batch(inp.tokens, inp.lengths, inp.slots, span, model.cfg.sliding_window)
@@ -275,7 +275,7 @@ def to_host(*columns: torch.Tensor) -> torch.Tensor:
     return torch.cat([c if c.dim() == 2 else c[:, None] for c in columns], 1).cpu()
 
 
-def check_static_model(model: Transformer) -> None:
+def check_static_model(model: TargetModel) -> None:
     """Refuse models whose forward needs a host decision (dynamic NTK RoPE reads positions)."""
     if model.cfg.rope.rope_type == "dynamic":
         raise ValueError("the static step (dspark) does not support dynamic NTK RoPE: its frequencies "

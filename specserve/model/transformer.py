@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.core.forward import CacheIO, ForwardBatch, ForwardOutput
 from specserve.core.kv_cache import KVCache
 from specserve.model.rope import RopeSpec, RotaryEmbedding, apply_rope
 
@@ -88,22 +89,6 @@ class ModelConfig:
             raise CheckpointError(f"config.json lacks required key {e.args[0]!r}") from None
 
 
-@dataclass
-class ForwardBatch:
-    """What one target forward needs, all explicit."""
-    tokens: torch.Tensor     # [B, T] int64
-    positions: torch.Tensor  # [B, T] int64 RoPE positions (tree nodes: context length + depth)
-    slots: torch.Tensor      # [B] int64 cache slot of each row
-    starts: torch.Tensor     # [B] int64 cache offset where this forward's T entries are written
-    mask: torch.Tensor       # [B, T, S] bool, True = query t may attend to cache entry s
-
-
-@dataclass
-class ForwardOutput:
-    hidden: torch.Tensor                      # [B, T, D] after the final norm (feeds the LM head)
-    layer_hidden: dict[int, torch.Tensor]     # layer index → [B, T, D] residual stream after it
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -130,7 +115,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(H * hd, D, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                cache: KVCache | None) -> torch.Tensor:
+                cache: CacheIO | None) -> torch.Tensor:
         B, T, _ = x.shape
         c = self.cfg
         qkv = self.qkv_proj(x)  # [B, T, (H + 2 Hkv) hd]
@@ -200,7 +185,7 @@ class Transformer(nn.Module):
         return KVCache(num_layers=c.num_layers, num_slots=num_slots, num_kv_heads=c.num_kv_heads,
                        max_len=max_len, head_dim=c.head_dim, dtype=self.dtype, device=self.device)
 
-    def forward(self, batch: ForwardBatch, cache: KVCache | None,
+    def forward(self, batch: ForwardBatch, cache: CacheIO | None,
                 hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
         x = self.embed_tokens(batch.tokens)  # [B, T, D]
         cos, sin = self.rotary(batch.positions, x.dtype)

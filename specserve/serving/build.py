@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from specserve.model.devices import DTYPES, resolve_device, resolve_drafter_dtype
 from specserve.model.tokenizer import load_tokenizer, make_decode
 
 log = logging.getLogger("specserve.factory")
@@ -58,19 +59,6 @@ GATED_METHOD = "dflash"
 COMPOSITE_METHODS = ("mtp",)
 MTP_SUBPROPOSERS = {"mtp_heads": "mtp", "eagle": "eagle", "draft": "draft", "ngram": None}
 PLACEMENTS = ("fused", "remote")
-DTYPES = ("float32", "bfloat16")
-DRAFTER_DTYPES = ("auto", *DTYPES)
-
-
-def resolve_drafter_dtype(name: str, model) -> "torch.dtype":
-    import torch
-
-    if name == "auto":
-        fast_bf16 = model.device.type == "cuda" or torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        return torch.bfloat16 if fast_bf16 else model.dtype
-    if name not in DRAFTER_DTYPES:
-        raise ValueError(f"drafter dtype must be auto or one of {', '.join(DTYPES)}, got {name!r}")
-    return getattr(torch, name)
 
 
 @dataclass(frozen=True)
@@ -163,30 +151,9 @@ def available_methods(settings: EngineSettings) -> list[str]:
     return served_methods(settings.drafters)
 
 
-def resolve_device(name: str) -> "torch.device":
-    """auto → cuda when a GPU is visible, else cpu; cpu and cuda[:N] as given (checked here)."""
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r}: this torch build sees no CUDA GPU "
-                             f"(torch {torch.__version__}, CUDA {torch.version.cuda})")
-        if (device.index or 0) >= torch.cuda.device_count():
-            raise ValueError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
-    return device
-
-
 def _static(method: str, folder: str, model, settings: EngineSettings, max_len: int, base) -> "Proposer":
     from specserve.methods.dspark.proposer import DSParkProposer
-    from specserve.methods.eagle.proposer import load_eagle
+    from specserve.methods.eagle.drafter import load_eagle
 
     # Share the fused EAGLE proposer's drafter weights when there is one.
     drafter = getattr(base, "drafter", None) or load_eagle(
@@ -197,7 +164,8 @@ def _static(method: str, folder: str, model, settings: EngineSettings, max_len: 
 
 def _mtp_heads(folder: str, model, settings: EngineSettings) -> "Proposer":
     try:
-        from specserve.methods.mtp.heads import MTPHeadsProposer, load_mtp_heads
+        from specserve.methods.mtp.heads import load_mtp_heads
+        from specserve.methods.mtp.heads_proposer import MTPHeadsProposer
     except ImportError as e:
         raise ValueError(f"--drafter mtp={folder}: the MTP heads proposer is not available ({e})") from None
     heads = load_mtp_heads(folder, model, dtype=resolve_drafter_dtype(settings.drafter_dtype, model))
@@ -230,7 +198,8 @@ def _drafted(method: str, folder: str, model, settings: EngineSettings, max_len:
     if settings.placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {settings.placement!r}")
     if method == "dflash":
-        from specserve.methods.dflash.proposer import DFlashProposer, load_dflash
+        from specserve.methods.dflash.drafter import load_dflash
+        from specserve.methods.dflash.proposer import DFlashProposer
 
         drafter = load_dflash(folder, model, dtype=resolve_drafter_dtype(settings.drafter_dtype, model),
                               block_size=settings.block_size)
@@ -244,7 +213,8 @@ def _drafted(method: str, folder: str, model, settings: EngineSettings, max_len:
 
         return RemoteProposer(method, bls.proposal_call(), max_draft_len=settings.max_draft_len,
                               threshold=settings.spec_threshold, release=bls.release_call())
-    from specserve.methods.eagle.proposer import EagleProposer, load_eagle
+    from specserve.methods.eagle.drafter import load_eagle
+    from specserve.methods.eagle.proposer import EagleProposer
 
     drafter = load_eagle(folder, model, dtype=resolve_drafter_dtype(settings.drafter_dtype, model))
     return EagleProposer(drafter, model, max_num_seqs=settings.max_num_seqs,
@@ -253,7 +223,8 @@ def _drafted(method: str, folder: str, model, settings: EngineSettings, max_len:
 
 
 def _draft_model(folder: str, model, settings: EngineSettings, max_len: int) -> "Proposer":
-    from specserve.methods.draft.proposer import DraftModelProposer, load_draft_model
+    from specserve.methods.draft.drafter import load_draft_model
+    from specserve.methods.draft.proposer import DraftModelProposer
 
     # Refuses a draft model whose tokenizer does not give the target's ids (check_tokenizer).
     draft = load_draft_model(folder, model, load_tokenizer(settings.checkpoint),

@@ -193,7 +193,7 @@ def parse_tier(raw: Any, server: ServerLimits, index: int) -> Tier:
                             f"got {json.dumps(ps)}")
         got["proposers"] = tuple(ps)
     if "dflash_text_types" in prop:
-        from specserve.serving.text_gate import GateError, check_text_types
+        from specserve.serving.text_classifier import GateError, check_text_types
 
         try:
             got["dflash_text_types"] = check_text_types(prop["dflash_text_types"], "proposer.dflash_text_types")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 import uuid
@@ -36,6 +37,14 @@ from specserve.serving.params import RequestConfig
 log = logging.getLogger("specserve.serving.verifier_service")
 
 CANCEL_POLL_S = 0.1
+# Test hook: while the file this names exists, the engine takes no decoding step (EngineLoop's
+# `hold`), so a test can keep a request in flight for as long as it needs, whatever the load.
+HOLD_FILE_ENV = "SPECSERVE_TEST_HOLD_FILE"
+
+
+def _test_hold() -> Callable[[], bool] | None:
+    path = os.environ.get(HOLD_FILE_ENV)
+    return None if not path else (lambda: os.path.exists(path))
 
 
 @dataclass(frozen=True)
@@ -105,7 +114,8 @@ class VerifierService:
         self._prefix = uuid.uuid4().hex[:8]
         self._stopping = threading.Event()
         self._draining = False
-        self.loop = EngineLoop(engine, self._on_output, self._on_failure, self._on_state).start()
+        self.loop = EngineLoop(engine, self._on_output, self._on_failure, self._on_state,
+                               hold=_test_hold()).start()
         self.engine: Engine = self.loop.engine
         self._watcher = threading.Thread(target=self._watch_cancellations, name="specserve-cancel",
                                          daemon=True)

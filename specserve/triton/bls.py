@@ -45,7 +45,7 @@ def release_call(spec: ModelSpec = schema.EAGLE_BACKBONE):
 def text_type_call(spec: ModelSpec = schema.TEXT_CLASSIFIER):
     """`classify(text) → Classification` for the text-type gate; any failure (the model unloaded,
     restarting or erroring) raises ClassifierUnavailable, which keeps the request's method."""
-    from specserve.serving.text_gate import Classification, ClassifierUnavailable
+    from specserve.serving.text_classifier import Classification, ClassifierUnavailable
 
     outputs = (schema.TEXT_TYPE.name, schema.TEXT_TYPE_PROB.name)
 

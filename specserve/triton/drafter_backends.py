@@ -25,6 +25,7 @@ from pathlib import Path
 
 from specserve.serving import schema
 from specserve.serving.schema import ModelSpec
+from specserve.triton.pbtxt import tensors
 
 BACKENDS = ("python", "onnxruntime", "tensorrt")
 PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan"}
@@ -51,8 +52,6 @@ def model_backend(model: str, backend: str) -> str:
 def native_model_config(spec: ModelSpec, backend: str) -> str:
     """config.pbtxt for a stateless drafter model on a native backend. No instance_group: Triton
     then places the model on a GPU where there is one, else on the CPU."""
-    from specserve.triton.render import _tensors
-
     if spec.name in STATEFUL:
         raise BackendError(f"{spec.name} cannot run on Triton's {backend} backend: {STATEFUL[spec.name]}; "
                            f"it stays a Python model")
@@ -60,7 +59,7 @@ def native_model_config(spec: ModelSpec, backend: str) -> str:
         raise BackendError(f"{backend!r} is not a native backend; native: {', '.join(PLATFORMS)}")
     return (f'name: "{spec.name}"\nplatform: "{PLATFORMS[backend]}"\nmax_batch_size: 0\n'
             f'default_model_filename: "{MODEL_FILES[backend]}"\n'
-            + _tensors("input", spec.inputs) + _tensors("output", spec.outputs))
+            + tensors("input", spec.inputs) + tensors("output", spec.outputs))
 
 
 def calibration_spec(hidden_size: int) -> ModelSpec:

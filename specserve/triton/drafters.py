@@ -117,7 +117,7 @@ def publish(target: Path, drafter: Path, repository: Path) -> int:
 def publish_classifier(folder: Path, repository: Path) -> int:
     """Write a (retrained) text-type classifier as the next version of text_classifier; returns
     that version. `load text_classifier` then switches to it."""
-    from specserve.serving.text_gate import GateError
+    from specserve.serving.text_classifier import GateError
     from specserve.triton.render import render_text_classifier
 
     name = schema.TEXT_CLASSIFIER.name

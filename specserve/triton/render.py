@@ -37,12 +37,13 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specserve.serving.text_gate import DEFAULT_DFLASH_TYPES
+from specserve.serving.text_classifier import DEFAULT_DFLASH_TYPES
 from specserve.serving import schema
 from specserve.serving.auth import new_key
 from specserve.serving.build import FUSED_ONLY, EngineSettings, mtp_runs_remote
-from specserve.serving.schema import ModelSpec, TensorSpec
+from specserve.serving.schema import ModelSpec
 from specserve.serving.tiers import Tier
+from specserve.triton.pbtxt import tensors
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "model_repository"
 
@@ -105,16 +106,6 @@ def verifier_settings(p: dict[str, str]) -> EngineSettings:
                           block_size=int(p["block_size"]) if p.get("block_size") else None)
 
 
-def _tensor(t: TensorSpec, is_input: bool) -> str:
-    dims = ", ".join(str(d) for d in t.dims)
-    opt = " optional: true" if t.optional and is_input else ""
-    return f'  {{ name: "{t.name}" data_type: TYPE_{t.dtype} dims: [ {dims} ]{opt} }}'
-
-
-def _tensors(kind: str, specs: tuple[TensorSpec, ...]) -> str:
-    return f"{kind} [\n" + ",\n".join(_tensor(t, kind == "input") for t in specs) + "\n]\n"
-
-
 def _quote(value: object) -> str:
     """A protobuf text-format string literal (a tier's settings are JSON, full of quotes)."""
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
@@ -127,7 +118,7 @@ def _parameters(params: dict[str, object]) -> str:
 
 def python_model_config(spec: ModelSpec, params: dict[str, object]) -> str:
     text = (f'name: "{spec.name}"\nbackend: "python"\nmax_batch_size: 0\n'
-            + _tensors("input", spec.inputs) + _tensors("output", spec.outputs))
+            + tensors("input", spec.inputs) + tensors("output", spec.outputs))
     if spec.decoupled:
         text += "model_transaction_policy { decoupled: true }\n"
     # One instance each: target_verifier owns the weights and the KV pool, and the tokenizer
@@ -149,7 +140,7 @@ def ensemble_config(spec: ModelSpec, steps: tuple[ModelSpec, ...]) -> str:
         return f'    {{\n      model_name: "{m.name}"\n      model_version: -1\n{ins}{outs}    }}'
 
     return (f'name: "{spec.name}"\nplatform: "ensemble"\nmax_batch_size: 0\n'
-            + _tensors("input", spec.inputs) + _tensors("output", spec.outputs)
+            + tensors("input", spec.inputs) + tensors("output", spec.outputs)
             + "ensemble_scheduling {\n  step [\n" + ",\n".join(step(m) for m in steps) + "\n  ]\n}\n")
 
 
@@ -216,7 +207,7 @@ def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
 
 def text_gate_parameter(settings: RepositorySettings) -> str:
     """preprocess's `text_gate` parameter: "" without a classifier, else the gate's settings."""
-    from specserve.serving.text_gate import check_text_types
+    from specserve.serving.text_classifier import check_text_types
 
     if settings.text_classifier is None:
         return ""
@@ -228,7 +219,7 @@ def render_text_classifier(folder: Path, repo: Path, *, version: int) -> None:
     """Version `version` of text_classifier from a classifier folder (checked here, so a bad
     folder is named before any server starts). A later version (a retrained classifier) is the
     same call with version + 1, then `specserve drafters load text_classifier`."""
-    from specserve.serving.text_gate import CONFIG_FILE, MODEL_FILE, ClassifierConfig, GateError
+    from specserve.serving.text_classifier import CONFIG_FILE, MODEL_FILE, ClassifierConfig, GateError
 
     ClassifierConfig.load(folder)
     if not (folder / MODEL_FILE).is_file():
@@ -284,7 +275,7 @@ def render_mtp_heads(checkpoint: Path, folder: Path, repo: Path, *, version: int
 def render_draft_drafter(settings: RepositorySettings, folder: Path, repo: Path, *, version: int) -> None:
     """Version `version` of draft_drafter: a copy of the draft model's folder (its config, weights
     and tokenizer), refused here already when its tokenizer does not give the target's ids."""
-    from specserve.methods.draft.proposer import check_tokenizer
+    from specserve.methods.draft.drafter import check_tokenizer
     from specserve.model.tokenizer import load_tokenizer
 
     check_tokenizer(load_tokenizer(settings.checkpoint), load_tokenizer(folder))
@@ -324,7 +315,7 @@ def render_eagle_proposal(checkpoint: Path, drafter_dir: Path, repo: Path, *, ve
     `backend` (drafter_backends.py) applies to the stateless calibration head; eagle_backbone
     is always a Python model (it holds per-sequence state)."""
     from specserve.model.transformer import load_model
-    from specserve.methods.eagle.proposer import load_eagle
+    from specserve.methods.eagle.drafter import load_eagle
     from specserve.methods.eagle.export import export
     from specserve.triton import drafter_backends as db
 

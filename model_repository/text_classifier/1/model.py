@@ -3,7 +3,7 @@ numpy, the MLP under onnxruntime). Its version folder holds model.onnx and confi
 
 from pathlib import Path
 
-from specserve.serving.text_gate import TextClassifier
+from specserve.serving.text_classifier import TextClassifier
 from specserve.triton import pb
 from specserve.serving import schema
 

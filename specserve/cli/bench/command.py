@@ -117,7 +117,7 @@ def _server(args: argparse.Namespace, checkpoint: Path | None, max_len: int, out
     if args.url:
         yield args.url, None
         return
-    from specserve.cli.main import CliError, resolve_drafters
+    from specserve.cli.checks import CliError, resolve_drafters
     from specserve.triton.launch import TritonServer
     from specserve.triton.render import RepositorySettings, render_repository
 

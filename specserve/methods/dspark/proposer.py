@@ -41,7 +41,8 @@ from specserve.core.cuda_graphs import GraphCache
 from specserve.core.kv_cache import KVCache
 from specserve.model.transformer import Transformer
 from specserve.core.proposer import Draft, DraftRequest, ProposerError, StepOutcome
-from specserve.methods.eagle.proposer import CalibrationHead, EagleDrafter, EagleProposer
+from specserve.methods.eagle.drafter import CalibrationHead, EagleDrafter
+from specserve.methods.eagle.proposer import EagleProposer
 from specserve.core.static_step import (DeviceKV, SamplingTensors, StaticOutcome, StaticRow, StepInputs,
                                    bucket_for, chain_batch, check_static_model, draw, span_for,
                                    target_step, to_host, uniforms_for, warp)
@@ -141,7 +142,7 @@ class DSParkProposer:
         if fresh:  # first step after the prefill: ingest the whole prompt eagerly (variable length)
             reqs = [DraftRequest(r.seq_id, r.token_ids, 0, r.params, r.generator, r.features, r.threshold)
                     for r in fresh]
-            h = self.eagle._ingest(reqs)
+            h = self.eagle.ingest(reqs)
             index = {r.seq_id: b for b, r in enumerate(rows)}
             h_fresh[[index[r.seq_id] for r in fresh]] = h
         pad = B - n
@@ -152,7 +153,7 @@ class DSParkProposer:
                 raise RuntimeError(f"dspark sequence {r.seq_id}: drafter holds {st.valid} + {k} pairs for "
                                    f"{r.length} committed tokens")
         long_ = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)
-        thresholds = [self.eagle._threshold(DraftRequest(0, [], 0, r.params, threshold=r.threshold)) or 0.0
+        thresholds = [self.eagle.threshold_for(DraftRequest(0, [], 0, r.params, threshold=r.threshold)) or 0.0
                       for r in rows]
         s = SamplingTensors.from_params([r.params for r in rows] + [None] * pad, dev)
         inputs = {

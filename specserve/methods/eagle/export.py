@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 from specserve.core.masks import build_mask
-from specserve.model.transformer import Attention, ForwardBatch, Transformer
-from specserve.methods.eagle.proposer import EagleDrafter
+from specserve.core.forward import ForwardBatch
+from specserve.model.transformer import Attention, Transformer
+from specserve.methods.eagle.drafter import EagleDrafter
 
 OPSET = 17
 

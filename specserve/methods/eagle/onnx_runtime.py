@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specserve.methods.eagle.proposer import CALIBRATION_POSITIONS
+from specserve.methods.eagle.drafter import CALIBRATION_POSITIONS
 
 
 @dataclass

@@ -78,8 +78,8 @@ def load_remote_draft(folder: str | Path, checkpoint: str | Path, *, dtype: str 
     (its tokenizer must give the target's ids on the probe string; same vocabulary size) without
     loading the target's weights."""
     from specserve.model.transformer import CheckpointError, load_config, load_model
-    from specserve.methods.draft.proposer import check_tokenizer
-    from specserve.serving.build import resolve_device, resolve_drafter_dtype
+    from specserve.methods.draft.drafter import check_tokenizer
+    from specserve.model.devices import resolve_device, resolve_drafter_dtype
     from specserve.model.tokenizer import load_tokenizer
 
     check_tokenizer(load_tokenizer(checkpoint), load_tokenizer(folder))

@@ -1,0 +1,57 @@
+"""Checks of what a user points the CLI at (a checkpoint, drafter folders), before any server
+starts; shared by `specserve serve`, `bench` and `demo`. A problem is a CliError."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class CliError(Exception):
+    """A problem the user can fix; printed without a traceback, exit status 2."""
+
+
+def check_checkpoint(target: Path, max_model_len: int | None) -> int:
+    """Fail fast, before starting a server, on a checkpoint the engine cannot serve.
+    Returns the max_model_len to use."""
+    from specserve.model.transformer import CheckpointError, load_config
+    from specserve.model.tokenizer import TokenizerError, load_tokenizer
+
+    try:
+        cfg = load_config(target)
+        load_tokenizer(target)
+    except (CheckpointError, TokenizerError) as e:
+        raise CliError(f"cannot serve {target}: {e}") from None
+    if not any(target.glob("*.safetensors")):
+        raise CliError(f"cannot serve {target}: no *.safetensors weights")
+    limit = cfg.max_position_embeddings
+    if max_model_len is None:
+        return min(limit, 2048)
+    if not 0 < max_model_len <= limit:
+        raise CliError(f"--max-model-len {max_model_len} must be in [1, {limit}] (the model's "
+                       f"max_position_embeddings)")
+    return max_model_len
+
+
+def resolve_drafters(target: Path, flags: list[str], disabled: bool) -> tuple[tuple[str, str], ...]:
+    """--drafter METHOD=DIR flags, else the drafters found beside the target (a folder named after
+    its method whose config.json says so: models/demo/eagle, …/dflash, …/draft, …/mtp)."""
+    from specserve.serving.build import COMPOSITE_METHODS, DRAFTED
+
+    pairs = []
+    for flag in flags:
+        method, sep, folder = flag.partition("=")
+        if not sep or not folder:
+            raise CliError(f"--drafter expects METHOD=DIR, got {flag!r}")
+        if method not in (*DRAFTED, *COMPOSITE_METHODS):
+            raise CliError(f"--drafter: unknown method {method!r}; drafters: {', '.join((*DRAFTED, *COMPOSITE_METHODS))}")
+        if not (Path(folder) / "config.json").is_file():
+            raise CliError(f"--drafter {flag}: {folder} has no config.json")
+        pairs.append((method, folder))
+    if disabled:
+        return ()
+    for method in (*DRAFTED, *COMPOSITE_METHODS) if not pairs else ():
+        beside = target.resolve().parent / method / "config.json"
+        if beside.is_file() and json.loads(beside.read_text()).get("specserve_drafter") == method:
+            pairs.append((method, str(beside.parent)))
+    return tuple(pairs)
