@@ -34,7 +34,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from specserve.core.proposer import Draft, DraftRequest, ProposerError, ProposerUnavailable, StepOutcome
+from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, ProposerUnavailable, StepOutcome
 
 log = logging.getLogger("specserve.remote")
 
@@ -52,7 +52,7 @@ class _History:
         return torch.cat(self.features)[start:]
 
 
-class RemoteProposer:
+class RemoteProposer(ProposerDefaults):
     needs_features = True
 
     # With a threshold, ask the drafter for at most this many tokens beyond what the cut kept in

@@ -296,6 +296,6 @@ def build_engine(settings: EngineSettings):
     engine = Engine(model, config, proposers, detokenize=make_decode(tokenizer))
     if model.device.type == "cuda":  # capture the static-step graphs now, not on a request's path
         for proposer in engine.proposers.values():
-            if getattr(proposer, "static_step", False):
+            if proposer.static_step:
                 proposer.warm()
     return engine, tokenizer

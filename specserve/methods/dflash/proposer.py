@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.model.transformer import CheckpointError, RMSNorm, Transformer, read_drafter_weights
-from specserve.core.proposer import Draft, DraftRequest, ProposerError, StepOutcome
+from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, StepOutcome
 from specserve.methods.dflash.memory import MemoryView, SequenceMemory, SlotPool
 from specserve.core.repetition import RepetitionGuard
 from specserve.core.sampling import target_probs
@@ -314,7 +314,7 @@ def stack_views(views: list[MemoryView], window: int) -> tuple[torch.Tensor, ...
     return ring, ring_valid, anchors, anchor_valid, pool
 
 
-class DFlashProposer:
+class DFlashProposer(ProposerDefaults):
     """Fused DFlash proposer: one drafter forward per step drafts a block for every row."""
 
     name = "dflash"

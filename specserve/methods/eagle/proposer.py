@@ -37,7 +37,7 @@ from specserve.core.kv_cache import KVCache
 from specserve.core.masks import build_mask
 from specserve.model.transformer import (CheckpointError, DecoderLayer, ForwardBatch, ModelConfig, Transformer,
                              fuse_projections)
-from specserve.core.proposer import Draft, DraftRequest, ProposerError, StepOutcome
+from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, StepOutcome
 from specserve.model.rope import RotaryEmbedding
 from specserve.core.sampling import target_probs
 
@@ -179,7 +179,7 @@ class _SeqState:
     valid: int  # drafter cache entries built from TRUE target features (pairs 0..valid-1)
 
 
-class EagleProposer:
+class EagleProposer(ProposerDefaults):
     """Fused EAGLE proposer: the drafter runs in the engine's process, batched over sequences."""
 
     name = "eagle"

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.model.transformer import CheckpointError, Transformer, read_drafter_weights
-from specserve.core.proposer import Draft, DraftRequest, ProposerError, StepOutcome
+from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, StepOutcome
 from specserve.core.sampling import target_probs
 
 FORMAT = "specserve-mtp-heads"
@@ -197,7 +197,7 @@ class _SeqState:
     committed: int         # t + 1: how many committed tokens the proposer has seen features for
 
 
-class MTPHeadsProposer:
+class MTPHeadsProposer(ProposerDefaults):
     """Fused MTP-heads proposer: one batched heads forward per step, no per-sequence KV."""
 
     name = "mtp_heads"

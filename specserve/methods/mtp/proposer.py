@@ -27,7 +27,7 @@ from typing import Sequence
 import torch
 
 from specserve.methods.mtp.arbiter import ArbiterConfig, Candidate, arbitrate
-from specserve.core.proposer import Draft, DraftRequest, Proposer, ProposerError, StepOutcome
+from specserve.core.proposer import Draft, DraftRequest, Proposer, ProposerDefaults, ProposerError, StepOutcome
 
 log = logging.getLogger("specserve.mtp")
 
@@ -108,7 +108,7 @@ def sub_outcome(seq_id: int, draft: Draft, where: list[int | None], outcome: Ste
     return StepOutcome(seq_id, len(draft), accepted, list(outcome.emitted))
 
 
-class MultiDraftProposer:
+class MultiDraftProposer(ProposerDefaults):
     name = "mtp"
 
     def __init__(self, proposers: Sequence[Proposer], *, max_draft_len: int, arbiter: ArbiterConfig | None = None,
@@ -128,7 +128,7 @@ class MultiDraftProposer:
 
     @property
     def available(self) -> bool:
-        return any(getattr(p, "available", True) for p in self.subs.values())
+        return any(p.available for p in self.subs.values())
 
     # -- per-request options ------------------------------------------------------------------
     option_keys = (OPT_PROPOSERS, OPT_BUDGET)
