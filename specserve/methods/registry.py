@@ -38,6 +38,7 @@ STEPS = ("dynamic", "static")
 # The methods, in listing order: one module per method, each registering its MethodSpec.
 SPEC_MODULES = (
     "specserve.methods.none.spec",
+    "specserve.methods.ngram.spec",
 )
 
 

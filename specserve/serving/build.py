@@ -14,8 +14,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
+from specserve.methods import registry
 from specserve.model.tokenizer import load_tokenizer, make_decode
 
 log = logging.getLogger("specserve.factory")
@@ -24,15 +25,9 @@ if TYPE_CHECKING:
     from specserve.core.proposer import Proposer
 
 
-def _ngram() -> "Proposer":
-    from specserve.methods.ngram.proposer import NgramProposer
-    return NgramProposer()
-
-
-# "none" (plain decoding) is built into the engine.
-PROPOSERS: dict[str, Callable[[], "Proposer"]] = {
-    "ngram": _ngram,
-}
+# Methods that draft with nothing (no drafter folder), from the registry; "none" (plain decoding)
+# is built into the engine.
+PROPOSERS = tuple(s.name for s in registry.specs() if s.drafts_with == "nothing" and s.builder)
 
 # Methods that need a trained drafter (given per deployment in EngineSettings.drafters).
 DRAFTED = ("eagle", "dflash", "draft")
@@ -283,7 +278,11 @@ def build_engine(settings: EngineSettings):
     config = EngineConfig(max_num_seqs=settings.max_num_seqs, max_model_len=max_len,
                           max_draft_len=settings.max_draft_len, default_method=settings.default_method,
                           max_queue_len=settings.max_queue_len, draft_policy=settings.draft_policy)
-    proposers = {name: make() for name, make in PROPOSERS.items()}
+    plain = registry.BuildContext(model, Path(settings.checkpoint), None, settings.drafters, {}, settings.max_num_seqs,
+                                  max_len, settings.max_draft_len, settings.spec_threshold,
+                                  resolve_drafter_dtype(settings.drafter_dtype, model), settings.block_size,
+                                  "fused", None)
+    proposers = {name: registry.get(name).build(plain) for name in PROPOSERS}
     for method, folder in settings.drafters:
         if method != "mtp":
             proposers[method] = _drafted(method, folder, model, settings, max_len)
