@@ -571,7 +571,9 @@ def test_mtp_runs_remote_by_default_whatever_eagles_placement(tmp_path, monkeypa
         # bls imports the Python backend's module, which exists only inside tritonserver: building
         # the proposer needs only its name (the calls are made while serving).
         monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
-        engine, _ = build_engine(settings)
+        from specserve.triton import bls
+
+        engine, _ = build_engine(settings, bls.remote_calls())   # as target_verifier builds it
         assert isinstance(engine.proposers["eagle"], EagleProposer)
         assert isinstance(engine.proposers["mtp"], RemoteMTPProposer) == (mtp_placement == "remote")
 

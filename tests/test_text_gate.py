@@ -15,7 +15,7 @@ import pytest
 from specserve.serving.text_gate import (DEFAULT_FALLBACK, Classification, ClassifierUnavailable, FeatureParams, GateError,
                                  TextClassifier, TextGate, check_text_types, features, parse_text_types,
                                  resolve_fallback, route)
-from specserve.serving.build import GATED_METHOD
+from specserve.serving.text_gate import GATED_METHOD
 from specserve.serving.params import BadRequest, RequestConfig, make_request_config
 from specserve.serving.tiers import ServerLimits, Tier, TierError, parse_tier
 

@@ -7,7 +7,7 @@ methods differently (the engine builder, the renderer, request parsing, tiers, t
 schema's mtp members) reads this registry; a conformance test checks each spec against the
 proposer its builder makes, so the two cannot drift apart.
 
-Adding a method: its folder with a proposer and a `spec.py` calling register(MethodSpec(...))
+Adding a method: its folder with a proposer and a `spec.py` whose SPEC = register(MethodSpec(...))
 with its builder, and its module in SPEC_MODULES below (whose order is the order methods are
 listed in).
 
@@ -39,6 +39,11 @@ STEPS = ("dynamic", "static")
 SPEC_MODULES = (
     "specserve.methods.none.spec",
     "specserve.methods.ngram.spec",
+    "specserve.methods.eagle.spec",
+    "specserve.methods.dflash.spec",
+    "specserve.methods.draft.spec",
+    "specserve.methods.dspark.spec",
+    "specserve.methods.mtp.spec",
 )
 
 
@@ -158,10 +163,12 @@ def register(spec: MethodSpec) -> MethodSpec:
 
 
 def _load() -> dict[str, MethodSpec]:
-    global _loaded
+    global _SPECS, _loaded
     if not _loaded:
-        for module in SPEC_MODULES:
-            importlib.import_module(module)
+        # A spec module imported earlier (a proposer reading its own spec) registered out of
+        # turn: the listing order is SPEC_MODULES'.
+        order = [importlib.import_module(module).SPEC.name for module in SPEC_MODULES]
+        _SPECS = {name: _SPECS[name] for name in order} | _SPECS
         _loaded = True
     return _SPECS
 

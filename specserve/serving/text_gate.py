@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 
-from specserve.serving.build import GATED_METHOD
+from specserve.methods import registry
 from specserve.serving.params import BadRequest
 
 if TYPE_CHECKING:
@@ -45,6 +45,8 @@ log = logging.getLogger("specserve.serving.text_gate")
 TEXT_TYPES = ("code", "prose")          # the classifier's labels, in output order
 DEFAULT_DFLASH_TYPES = ("code",)         # text types that keep DFlash unless configured otherwise
 DEFAULT_FALLBACK = "ngram"               # the server's fallback when neither request nor tier names one
+# The method the gate acts on (its spec says text_gated).
+GATED_METHOD = registry.gated_method()
 CONFIG_FILE, MODEL_FILE = "config.json", "model.onnx"
 # Decisions, as counted in specserve_text_gate_total{decision=…} and shown in spec_stats.
 KEPT, ROUTED, UNAVAILABLE = "dflash", "fallback", "unavailable"

@@ -41,13 +41,14 @@ from torch import nn
 from specserve.model.transformer import CheckpointError, RMSNorm, Transformer, read_drafter_weights
 from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, StepOutcome
 from specserve.methods.dflash.memory import MemoryView, SequenceMemory, SlotPool
+from specserve.methods.dflash.spec import BLOCK_SIZE
 from specserve.core.repetition import RepetitionGuard
 from specserve.core.sampling import target_probs
 
 MAX_ANCHOR_AGE = 16   # anchors older than this many windows share one age embedding
 # Per-request option (sampling_parameters → DraftRequest.options; a tier's proposer.block_size):
 # the row's block size B, in [2, the drafter's max_block_size]; None → the proposer's.
-OPT_BLOCK_SIZE = "dflash_block_size"
+OPT_BLOCK_SIZE = BLOCK_SIZE.key
 
 
 @dataclass(frozen=True)
