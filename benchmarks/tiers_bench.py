@@ -98,7 +98,7 @@ def main() -> int:
     from specserve.cli.bench.workload import WorkloadRequest, build_workload, describe, text_source
     from specserve.serving import schema
     from specserve.triton import tier_control
-    from specserve.serving.build import STATIC_METHODS
+    from specserve.methods import registry
     from specserve.triton.launch import TritonServer
     from specserve.triton.render import RepositorySettings, render_repository
     from specserve.serving.tiers import ServerLimits, load_tiers
@@ -108,7 +108,7 @@ def main() -> int:
     # workload's prompts are cut at 1024 tokens (the plan records the cap) to keep the run short.
     max_len, workload_len = 2048, 1024
     tiers = load_tiers(TIERS_FILE, ServerLimits(("none", "ngram", "eagle", "dspark"), 8, max_len,
-                                                drafted=dict(STATIC_METHODS)))
+                                                drafted=registry.borrowed()))
     names = [t.name for t in tiers]
     settings = RepositorySettings(DEMO / "target", max_num_seqs=args.max_num_seqs, max_model_len=max_len,
                                   max_draft_len=8, default_method="eagle", drafters=(("eagle", str(DEMO / "eagle")),),

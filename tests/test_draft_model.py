@@ -184,10 +184,10 @@ def test_drafter_flag_and_discovery_beside_the_target(tmp_path):
     found = dict(resolve_drafters(target, [], False))
     assert Path(found["draft"]).resolve() == (DEMO / "draft").resolve()
     assert resolve_drafters(target, ["draft=models/demo/draft"], False) == (("draft", "models/demo/draft"),)
-    from specserve.serving.build import COMPOSITE_METHODS, DRAFTED
+    from specserve.methods import registry
 
-    assert "draft" in DRAFTED
-    names = (*DRAFTED, *COMPOSITE_METHODS)   # --drafter mtp=DIR names mtp's MTP heads
+    assert "draft" in registry.with_drafts("own")
+    names = registry.folder_methods()   # --drafter mtp=DIR names mtp's MTP heads
     with pytest.raises(CliError) as e:
         resolve_drafters(target, ["dragt=models/demo/draft"], False)
     assert str(e.value) == f"--drafter: unknown method 'dragt'; drafters: {', '.join(names)}"

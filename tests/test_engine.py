@@ -10,7 +10,7 @@ import transformers
 
 from specserve.core.engine import Engine, EngineConfig, GenerationRequest, RequestRejected
 from specserve.model.transformer import load_model
-from specserve.core.proposer import Draft, DraftRequest, ProposerError, StepOutcome
+from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, StepOutcome
 from specserve.methods.ngram.proposer import NgramProposer, lookup
 from specserve.core.sampling import SamplingParams
 
@@ -188,7 +188,7 @@ def test_eos_and_stop_strings(llama_ckpt):
     assert out.new_token_ids == plain[:4] and out.finish_reason == "stop"
 
 
-class ScriptedProposer:
+class ScriptedProposer(ProposerDefaults):
     """Drafts from a script: the true greedy continuation with a wrong token at chosen places,
     and a tree with a decoy sibling, so acceptance, recovery and bonus are all exercised."""
 

@@ -13,7 +13,7 @@ from conftest import make_tiny_checkpoint
 from specserve.core.engine import (Engine, EngineConfig, GenerationRequest, RequestRejected, ServerBusy)
 from specserve.core.engine_loop import EngineLoop
 from specserve.model.transformer import load_model
-from specserve.core.proposer import Draft, ProposerError
+from specserve.core.proposer import Draft, ProposerDefaults, ProposerError
 from specserve.methods.ngram.proposer import NgramProposer
 from specserve.core.sampling import SamplingParams
 
@@ -92,7 +92,7 @@ def test_a_row_that_fails_in_verification_fails_alone(model):
         assert tokens == solo(model, r)[1:]
 
 
-class Flaky:
+class Flaky(ProposerDefaults):
     """A feature-consuming proposer that fails every other call (raising `error`) and otherwise
     drafts a few ids that are out of the vocabulary for one sequence; it checks that every call
     hands it exactly the features of all committed tokens, in order (none lost to a failure)."""
@@ -135,7 +135,7 @@ def test_proposer_failures_and_bad_drafts_cost_only_speculation(model, error):
     assert out["0"].stats.proposer_errors > out["1"].stats.proposer_errors
 
 
-class Gate:
+class Gate(ProposerDefaults):
     """A proposer whose propose() blocks until released: a remote drafter that hangs."""
     name, needs_features = "gate", False
 

@@ -18,7 +18,7 @@ from specserve.core import verify
 from specserve.core.engine import Engine, EngineConfig, GenerationRequest, RequestRejected
 from specserve.model.transformer import load_model
 from specserve.methods.mtp.arbiter import ArbiterConfig, Candidate, arbitrate, score_candidates
-from specserve.core.proposer import Draft, ProposerError, StepOutcome
+from specserve.core.proposer import Draft, ProposerDefaults, ProposerError, StepOutcome
 from specserve.methods.eagle.proposer import EagleProposer
 from specserve.methods.mtp.proposer import MultiDraftProposer, candidates_of, map_nodes, sub_outcome
 from specserve.methods.ngram.proposer import NgramProposer
@@ -113,7 +113,7 @@ def target_path(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("t"), "llama", seed=21)
 
 
-class Fixed:
+class Fixed(ProposerDefaults):
     """A scripted sub-proposer drafting a fixed chain (recording what it was told)."""
     needs_features = False
 
@@ -135,7 +135,7 @@ class Fixed:
         self.released.append(seq_id)
 
 
-class Flaky:
+class Flaky(ProposerDefaults):
     """Wraps a proposer; its `fail_on`-th calls raise ProposerError (like a remote drafter down)."""
 
     def __init__(self, inner, fail_on):
@@ -571,7 +571,9 @@ def test_mtp_runs_remote_by_default_whatever_eagles_placement(tmp_path, monkeypa
         # bls imports the Python backend's module, which exists only inside tritonserver: building
         # the proposer needs only its name (the calls are made while serving).
         monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
-        engine, _ = build_engine(settings)
+        from specserve.triton import bls
+
+        engine, _ = build_engine(settings, bls.remote_calls())   # as target_verifier builds it
         assert isinstance(engine.proposers["eagle"], EagleProposer)
         assert isinstance(engine.proposers["mtp"], RemoteMTPProposer) == (mtp_placement == "remote")
 

@@ -14,8 +14,7 @@ import pytest
 
 from specserve.serving.text_classifier import (Classification, ClassifierUnavailable, FeatureParams, GateError,
                                                TextClassifier, check_text_types, features, parse_text_types)
-from specserve.serving.text_gate import DEFAULT_FALLBACK, TextGate, resolve_fallback, route
-from specserve.serving.build import GATED_METHOD
+from specserve.serving.text_gate import DEFAULT_FALLBACK, GATED_METHOD, TextGate, resolve_fallback, route
 from specserve.serving.params import BadRequest, RequestConfig, make_request_config
 from specserve.serving.tiers import ServerLimits, Tier, TierError, parse_tier
 

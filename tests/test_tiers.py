@@ -12,6 +12,7 @@ import yaml
 
 from conftest import make_tiny_checkpoint
 from specserve.core.scheduling import PriorityAging
+from specserve.core.proposer import ProposerDefaults
 from specserve.serving import schema
 from specserve.serving.params import BadRequest, RequestConfig, make_request_config
 from specserve.serving.tiers import ServerLimits, Tier, TierError, load_tiers, parse_tiers
@@ -314,7 +315,7 @@ def test_policy_picks_the_oldest_of_equal_effective_priority():
         PriorityAging(0)
 
 
-class _Switchable:
+class _Switchable(ProposerDefaults):
     """A drafter that drafts nothing, and says whether it is available (a remote one backing off
     after failed calls is not)."""
     name, needs_features = "eagle", False

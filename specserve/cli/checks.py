@@ -36,21 +36,22 @@ def check_checkpoint(target: Path, max_model_len: int | None) -> int:
 def resolve_drafters(target: Path, flags: list[str], disabled: bool) -> tuple[tuple[str, str], ...]:
     """--drafter METHOD=DIR flags, else the drafters found beside the target (a folder named after
     its method whose config.json says so: models/demo/eagle, …/dflash, …/draft, …/mtp)."""
-    from specserve.serving.build import COMPOSITE_METHODS, DRAFTED
+    from specserve.methods import registry
 
+    names = registry.folder_methods()
     pairs = []
     for flag in flags:
         method, sep, folder = flag.partition("=")
         if not sep or not folder:
             raise CliError(f"--drafter expects METHOD=DIR, got {flag!r}")
-        if method not in (*DRAFTED, *COMPOSITE_METHODS):
-            raise CliError(f"--drafter: unknown method {method!r}; drafters: {', '.join((*DRAFTED, *COMPOSITE_METHODS))}")
+        if method not in names:
+            raise CliError(f"--drafter: unknown method {method!r}; drafters: {', '.join(names)}")
         if not (Path(folder) / "config.json").is_file():
             raise CliError(f"--drafter {flag}: {folder} has no config.json")
         pairs.append((method, folder))
     if disabled:
         return ()
-    for method in (*DRAFTED, *COMPOSITE_METHODS) if not pairs else ():
+    for method in names if not pairs else ():
         beside = target.resolve().parent / method / "config.json"
         if beside.is_file() and json.loads(beside.read_text()).get("specserve_drafter") == method:
             pairs.append((method, str(beside.parent)))

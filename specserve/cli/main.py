@@ -19,6 +19,7 @@ from typing import Callable
 from specserve.cli.checks import CliError, check_checkpoint, resolve_drafters
 from specserve.serving.auth import ADMIN_KEY_ENV, ADMIN_KEY_FILE
 from specserve.core.draft_policy import POLICIES
+from specserve.methods import registry
 from specserve.model.devices import DRAFTER_DTYPES, DTYPES
 
 # Kubernetes' terminationGracePeriodSeconds in deploy/k8s must exceed this (tests check it).
@@ -47,10 +48,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "draft=models/demo/draft (repeatable); without it, drafters in folders named after "
                         "their method beside the target are used")
     p.add_argument("--no-drafters", action="store_true", help="serve no drafter even if one is found")
-    p.add_argument("--placement", choices=("fused", "remote"), default="fused",
+    p.add_argument("--placement", choices=registry.PLACEMENTS, default="fused",
                    help="drafters inside the engine (fused) or as hot-loadable Triton models (remote, "
                         "server in explicit model-control mode; see `specserve drafters`)")
-    p.add_argument("--mtp-placement", choices=("fused", "remote"), default="remote",
+    p.add_argument("--mtp-placement", choices=registry.PLACEMENTS, default="remote",
                    help="where mtp's drafters run: remote (the mtp_proposal ensemble: each drafter a hot-loadable "
                         "Triton model, all in parallel; needs an EAGLE drafter, else mtp runs fused) or fused "
                         "(one after another inside the engine)")
@@ -118,7 +119,8 @@ def resolve_text_classifier(target: Path, flag: Path | None, disabled: bool, met
     """The classifier folder of the text-type gate: --text-classifier, else one beside the target
     when the gated method is served; None with --no-text-gate."""
     from specserve.serving.text_classifier import ClassifierConfig, GateError
-    from specserve.serving.build import GATED_METHOD
+
+    GATED_METHOD = registry.gated_method()
 
     if disabled:
         if flag is not None:
@@ -149,13 +151,12 @@ def _check_port(port: int, flag: str) -> None:
 
 def _load_tiers(path: Path | None, methods: list[str], max_draft_len: int, max_len: int) -> tuple:
     """The validated tiers of --tiers FILE (none without it); a bad file is the user's error."""
-    from specserve.serving.build import STATIC_METHODS
     from specserve.serving.tiers import ServerLimits, TierError, load_tiers
 
     if path is None:
         return ()
     try:
-        return load_tiers(path, ServerLimits(tuple(methods), max_draft_len, max_len, drafted=dict(STATIC_METHODS)))
+        return load_tiers(path, ServerLimits(tuple(methods), max_draft_len, max_len, drafted=registry.borrowed()))
     except TierError as e:
         raise CliError(f"--tiers {path}: {e}") from None
 
@@ -223,7 +224,6 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
                 drafters: tuple[tuple[str, str], ...]) -> int:
     from specserve.triton import drafter_backends
     from specserve.serving.auth import resolve_admin_key
-    from specserve.serving.build import FUSED_ONLY
     from specserve.triton.launch import Ports, ServerStartError, TritonServer, prepare_backends
     from specserve.triton.render import RepositorySettings, render_repository
 

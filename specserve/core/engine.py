@@ -35,8 +35,8 @@ from specserve.core.draft_policy import POLICIES, AcceptanceModel, DraftCost, ch
 from specserve.core.kv_cache import KVCache
 from specserve.core.forward import ForwardBatch, ForwardOutput, TargetModel
 from specserve.core.masks import build_mask
-from specserve.core.proposer import (Draft, DraftRequest, Proposer, ProposerError, ProposerUnavailable,
-                                      StepOutcome)
+from specserve.core.proposer import (AnyProposer, Draft, DraftRequest, Proposer, ProposerError, ProposerUnavailable,
+                                      StaticStepProposer, StepOutcome)
 from specserve.core.sampling import SamplingParams, make_generator, sample, target_probs
 from specserve.core.verify import Verdict, verify
 
@@ -179,7 +179,7 @@ class RequestOutput:
 class _Sequence:
     seq_id: int
     req: GenerationRequest
-    proposer: Proposer
+    proposer: AnyProposer
     generator: torch.Generator | None
     stats: SpecStats
     tokens: list[int]              # prompt + emitted; the last one is pending (no KV yet)
@@ -194,7 +194,7 @@ class _Sequence:
     feature_chunks: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     # The repetition guard's fallback proposer (rows of a proposer with a guard), and whether the
     # guard has stepped this row aside to it now.
-    fallback: Proposer | None = None
+    fallback: Proposer | None = None   # never a static-step proposer (Engine.check)
     guarded: bool = False
     step_cap: int | None = None       # this step's draft cap from the adaptive policy
     step_room: int = 0                # this step's cap as the proposer saw it (policy statistics)
@@ -221,7 +221,7 @@ class _Sequence:
 
 class Engine:
     def __init__(self, model: TargetModel, config: EngineConfig,
-                 proposers: Mapping[str, Proposer] | None = None, *,
+                 proposers: Mapping[str, AnyProposer] | None = None, *,
                  eos_token_ids: tuple[int, ...] | None = None,
                  detokenize: Callable[[list[int]], str] | None = None):
         from specserve.core.plain import NoProposer
@@ -231,7 +231,7 @@ class Engine:
         if config.max_model_len > limit:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"max_position_embeddings={limit}")
-        self.proposers: dict[str, Proposer] = {"none": NoProposer(), **(proposers or {})}
+        self.proposers: dict[str, AnyProposer] = {"none": NoProposer(), **(proposers or {})}
         if config.default_method not in self.proposers:
             raise ValueError(f"default method {config.default_method!r} has no proposer")
         self.eos = set(model.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
@@ -240,14 +240,14 @@ class Engine:
         # (padding included) after a row's committed length.
         # Static-step methods (DSPark) pad their batch bucket with rows that write to a scratch KV
         # slot no sequence owns: one more slot in the pool, reserved here.
-        static = [p for p in self.proposers.values() if getattr(p, "static_step", False)]
+        static: list[StaticStepProposer] = [p for p in self.proposers.values() if p.static_step]
         self.cache: KVCache = model.new_cache(config.max_num_seqs + bool(static),
                                               config.max_model_len + config.max_draft_len + 1)
         self._scratch_slots = int(bool(static))
         # Target layers whose residual streams some proposer reads (DFlash): every forward keeps them.
         self._feature_layers = tuple(sorted({i for p in self.proposers.values()
-                                             for i in getattr(p, "feature_layers", ())}))
-        if any(getattr(p, "repetition_guard", None) for p in self.proposers.values()) \
+                                             for i in p.feature_layers}))
+        if any(p.repetition_guard for p in self.proposers.values()) \
                 and config.guard_fallback not in self.proposers:
             raise ValueError(f"guard_fallback {config.guard_fallback!r} has no proposer")
         if static:
@@ -299,10 +299,9 @@ class Engine:
         if req.fallback_method is not None and req.fallback_method not in self.proposers:
             raise RequestRejected(f"unknown fallback method {req.fallback_method!r}; available: "
                                   f"{', '.join(self.methods)}")
-        if getattr(self.proposers[method], "repetition_guard", None):
+        if self.proposers[method].repetition_guard:
             fallback = req.fallback_method or self.cfg.guard_fallback
-            if fallback == method or getattr(self.proposers[fallback], "repetition_guard", None) \
-                    or getattr(self.proposers[fallback], "static_step", False):
+            if fallback == method or self.proposers[fallback].repetition_guard or self.proposers[fallback].static_step:
                 raise RequestRejected(f"spec_fallback {fallback!r} cannot stand in for {method}: it must be "
                                       f"a method without a repetition guard or a static step")
         k = req.num_draft_tokens
@@ -318,11 +317,11 @@ class Engine:
         if not (isinstance(p, int) and not isinstance(p, bool) and 0 <= p <= MAX_PRIORITY):
             raise RequestRejected(f"priority must be an integer in [0, {MAX_PRIORITY}], got {p!r}")
         if req.options:
-            own = getattr(self.proposers[method], "option_keys", ())
+            own = self.proposers[method].option_keys
             foreign = sorted(k for k in req.options if k not in own)
             if foreign:
                 takers = sorted({m for k in foreign for m, p in self.proposers.items()
-                                 if k in getattr(p, "option_keys", ())})
+                                 if k in p.option_keys})
                 raise RequestRejected(f"{', '.join(foreign)} {'applies' if len(foreign) == 1 else 'apply'} only to spec_method "
                                       f"{' or '.join(takers) or '(a method not served here)'}, "
                                       f"not to spec_method {method!r}")
@@ -405,11 +404,11 @@ class Engine:
         admitted = self._admit()
         for group in _prefill_groups(admitted, self.cfg.max_prefill_tokens):
             self._prefill(group)
-        static = [s for s in decoding if getattr(s.proposer, "static_step", False)]
+        static = [s for s in decoding if s.proposer.static_step]
         if static:
             self._decode_static(static)
         if len(static) < len(decoding):
-            self._decode([s for s in decoding if not getattr(s.proposer, "static_step", False)])
+            self._decode([s for s in decoding if not s.proposer.static_step])
         for seq in admitted + decoding:
             if seq.new_tokens or seq.finish_reason:
                 outputs.append(self._output(seq))
@@ -426,9 +425,9 @@ class Engine:
             seq = self._waiting[i]
             del self._waiting[i]
             fallback = seq.req.fallback_method
-            if fallback and not getattr(seq.proposer, "available", True):
+            if fallback and not seq.proposer.available:
                 seq.proposer, seq.stats.method = self.proposers[fallback], fallback
-            if getattr(seq.proposer, "repetition_guard", None):
+            if seq.proposer.repetition_guard:
                 seq.fallback = self.proposers[fallback or self.cfg.guard_fallback]
             seq.slot = self.cache.allocate()
             self._running.append(seq)
@@ -755,7 +754,7 @@ def _keep_features(seq: _Sequence, out: ForwardOutput, b: int, rows) -> None:
     streams after the proposer's feature_layers ([n, (1 + L) D]) where it names some."""
     for p in seq.feature_users():
         feats = out.hidden[b, rows]
-        layers = getattr(p, "feature_layers", ())
+        layers = p.feature_layers
         if layers:
             feats = torch.cat([feats] + [out.layer_hidden[i][b, rows] for i in layers], dim=-1)
         seq.feature_chunks.setdefault(p.name, []).append(feats.clone())

@@ -12,11 +12,16 @@ target has not computed yet). A chain is the tree whose node i has parent i-1.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 import torch
 
 from specserve.core.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from specserve.core.kv_cache import KVCache
+    from specserve.core.repetition import RepetitionGuard
+    from specserve.core.static_step import StaticOutcome, StaticRow
 
 
 class ProposerError(RuntimeError):
@@ -107,19 +112,32 @@ class StepOutcome:
     emitted: list[int] = field(default_factory=list)         # accepted tokens + recovered/bonus
 
 
-# A proposer that takes per-request options (DraftRequest.options) names them in
-# `option_keys: tuple[str, ...]` and has `check_options(options: dict) -> None`, raising
-# ValueError with a message for the client; the engine refuses keys the request's method does not
-# name and calls it when a request arrives (Engine.check). Proposers without them take no options.
+class Capabilities(Protocol):
+    """What the engine asks of every proposer, dynamic or static step. The engine dispatches on
+    these declared attributes only (ProposerDefaults gives each its neutral value)."""
 
-
-@runtime_checkable
-class Proposer(Protocol):
     name: str
+    # The proposer reads target features (DraftRequest.features).
     needs_features: bool
+    # Target layer indices whose residual streams it reads besides the final hidden state (DFlash);
+    # () for none. Every target forward keeps the union over the served proposers.
+    feature_layers: tuple[int, ...]
+    # Steps a row aside to a fallback method while its output repeats (DFlash); None: never.
+    repetition_guard: "RepetitionGuard | None"
+    # Per-request option keys (DraftRequest.options) it takes; the engine refuses keys the
+    # request's method does not name and calls check_options when a request arrives (Engine.check).
+    option_keys: tuple[str, ...]
+    # The proposer runs the whole step (draft, verify, commit) itself: a StaticStepProposer.
+    static_step: bool
 
-    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        """One draft per request, in order. Must not raise for a sequence it has not seen."""
+    @property
+    def available(self) -> bool:
+        """False while the proposer cannot draft (a remote drafter backing off): a request with a
+        fallback method starts on that instead (Engine._admit)."""
+        ...
+
+    def check_options(self, options: dict) -> None:
+        """Raise ValueError with a message for the client for options this proposer refuses."""
         ...
 
     def observe(self, outcomes: list[StepOutcome]) -> None:
@@ -129,3 +147,67 @@ class Proposer(Protocol):
     def release(self, seq_id: int) -> None:
         """The sequence ended; drop any state kept for it."""
         ...
+
+
+@runtime_checkable
+class Proposer(Capabilities, Protocol):
+    """A dynamic-step proposer: the engine asks it for drafts and verifies them itself."""
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        """One draft per request, in order. Must not raise for a sequence it has not seen."""
+        ...
+
+
+@runtime_checkable
+class StaticStepProposer(Capabilities, Protocol):
+    """A proposer whose rows run the whole speculative step as one static computation (DSPark):
+    drafting, verification, acceptance and the KV commit (Engine._decode_static). It has no
+    propose(); static_step is True."""
+
+    def bind(self, cache: "KVCache", scratch_slot: int) -> None:
+        """Attach the engine's target KV pool, whose `scratch_slot` no sequence owns."""
+        ...
+
+    def warm(self) -> None:
+        """Capture the step's graphs now (on a GPU), not on a request's path."""
+        ...
+
+    def step(self, rows: "list[StaticRow]") -> "list[StaticOutcome]":
+        """One step for these rows: what each emitted and its new committed length."""
+        ...
+
+
+AnyProposer = Proposer | StaticStepProposer
+
+
+class ProposerDefaults:
+    """The neutral value of every capability; proposers inherit it and override what they have."""
+
+    needs_features: bool = False
+    feature_layers: tuple[int, ...] = ()
+    repetition_guard: "RepetitionGuard | None" = None
+    option_keys: tuple[str, ...] = ()
+    static_step: bool = False
+    available: bool = True
+
+    def check_options(self, options: dict) -> None:
+        pass   # the engine already refused keys outside option_keys
+
+    def observe(self, outcomes: list[StepOutcome]) -> None:
+        pass
+
+    def release(self, seq_id: int) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class RemoteCalls:
+    """The calls remote proposers make to their Triton models, handed to the engine's builder by
+    the Triton adapter (specserve.triton.bls.remote_calls): the layers below never import Triton.
+    A call takes a dict of named numpy arrays and returns one; a release takes sequence ids."""
+
+    eagle_proposal: Callable[[dict], dict]
+    eagle_release: Callable[[list[int]], Any]
+    # served mtp members (in the mtp spec's order) → the mtp_proposal call / its release
+    mtp_proposal: Callable[[list[str]], Callable[[dict], dict]]
+    mtp_release: Callable[[list[str]], Callable[[list[int]], Any]]

@@ -34,7 +34,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from specserve.core.proposer import Draft, DraftRequest, ProposerError, ProposerUnavailable, StepOutcome
+from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, ProposerUnavailable, StepOutcome
 
 log = logging.getLogger("specserve.remote")
 
@@ -52,7 +52,7 @@ class _History:
         return torch.cat(self.features)[start:]
 
 
-class RemoteProposer:
+class RemoteProposer(ProposerDefaults):
     needs_features = True
 
     # With a threshold, ask the drafter for at most this many tokens beyond what the cut kept in
@@ -199,21 +199,8 @@ class RemoteProposer:
     def _row_drafts(self, requests: list[DraftRequest], rows: list[int], out: dict[str, np.ndarray]) -> list[Draft]:
         """The draft of each of `rows` from one round trip's outputs (out's row j is rows[j])."""
         tokens, probs = out["draft_tokens"], out.get("accept_prob")
-        return [Draft.chain(self._cut(tokens[j], None if probs is None else probs[j], self._threshold(requests[i])))
+        return [Draft.chain(calibration_cut(tokens[j], None if probs is None else probs[j], self._threshold(requests[i])))
                 for j, i in enumerate(rows)]
-
-    @staticmethod
-    def _cut(tokens: np.ndarray, probs: np.ndarray | None, threshold: float | None) -> list[int]:
-        keep, cum = [], 1.0
-        for j, t in enumerate(tokens.tolist()):
-            if t < 0:
-                break
-            if probs is not None and threshold:
-                cum *= float(probs[j])
-                if cum < threshold:
-                    break
-            keep.append(int(t))
-        return keep
 
     def observe(self, outcomes: list[StepOutcome]) -> None:
         pass  # the drafter only ever commits pairs built from true features
@@ -231,3 +218,18 @@ class RemoteProposer:
             self._release([seq_id])
         except Exception as e:  # noqa: BLE001 — an unloaded drafter has no state to free
             log.info("%s: release of sequence %d not delivered (%s)", self.name, seq_id, e)
+
+
+def calibration_cut(tokens: np.ndarray, probs: np.ndarray | None, threshold: float | None) -> list[int]:
+    """A remote chain [K] (-1 padded) cut where the calibration head's cumulative acceptance
+    probability (probs [K]) falls below the threshold; no threshold or no probs: the whole chain."""
+    keep, cum = [], 1.0
+    for j, t in enumerate(tokens.tolist()):
+        if t < 0:
+            break
+        if probs is not None and threshold:
+            cum *= float(probs[j])
+            if cum < threshold:
+                break
+        keep.append(int(t))
+    return keep

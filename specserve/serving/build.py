@@ -1,12 +1,12 @@
-"""Build the engine a deployment serves: model, tokenizer and the method → proposer wiring.
+"""Build the engine a deployment serves: model, tokenizer and each served method's proposer.
 
-The one place that says which speculation methods exist; new proposers (MTP, DFlash, DSPark)
-are added to PROPOSERS (no trained weights needed) or DRAFTED (built from a drafter folder).
-Shared by the target_verifier model, the CLI and benchmarks.
+Which methods exist, what each drafts with and how it is built is the method registry's
+(specserve/methods/registry.py); here the registry meets one deployment's settings. Shared by
+the target_verifier model, the CLI and benchmarks.
 
-EAGLE has two placements behind the same proposer interface: "fused" (the drafter runs in the
-engine process, torch) and "remote" (the exported ONNX drafter runs in the Triton models of the
-`eagle_proposal` ensemble, called once per step by BLS, hot-loadable).
+Remote proposers call Triton models by BLS; those calls come from the Triton adapter
+(specserve.triton.bls.remote_calls) as RemoteCalls. An engine built without them (in process:
+the CLI's demo and bench, tests) runs every method fused.
 """
 
 from __future__ import annotations
@@ -14,51 +14,18 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
+from specserve.methods import registry
 from specserve.model.devices import DTYPES, resolve_device, resolve_drafter_dtype
 from specserve.model.tokenizer import load_tokenizer, make_decode
 
 log = logging.getLogger("specserve.factory")
 
 if TYPE_CHECKING:
-    from specserve.core.proposer import Proposer
+    from specserve.core.proposer import AnyProposer, RemoteCalls
 
-
-def _ngram() -> "Proposer":
-    from specserve.methods.ngram.proposer import NgramProposer
-    return NgramProposer()
-
-
-# "none" (plain decoding) is built into the engine.
-PROPOSERS: dict[str, Callable[[], "Proposer"]] = {
-    "ngram": _ngram,
-}
-
-# Methods that need a trained drafter (given per deployment in EngineSettings.drafters).
-DRAFTED = ("eagle", "dflash", "draft")
-# Drafted methods that run in the engine's process in either placement (the remote placement
-# moves the others out): DFlash keeps its per-sequence memory beside the engine's features;
-# "draft" is a separate small LM with its own KV cache (specserve.methods.draft.proposer). As a
-# method of its own neither has a remote model; inside remote `mtp` the draft model (and the MTP
-# heads) run as the Triton models draft_drafter / mtp_heads (remote_mtp.py).
-FUSED_ONLY = ("dflash", "draft")
-# Methods whose rows step aside to a fallback method while their output repeats (the request's
-# spec_fallback, its tier's fallback, else EngineConfig.guard_fallback): never a fallback themselves.
-GUARDED = ("dflash",)
-# Methods built from another method's drafter: dspark runs the served EAGLE drafter fused, as one
-# static step (specserve.methods.dspark.proposer), whichever placement EAGLE itself uses.
-STATIC_METHODS = {"dspark": "eagle"}
-# The method the text-type gate (specserve/serving/text_gate.py) acts on: a request whose effective method
-# is this one runs it only when its prompt's text type is configured to (else its fallback).
-GATED_METHOD = "dflash"
-# Composite methods, built from the other served proposers: `mtp` (specserve.methods.mtp.proposer)
-# merges the drafts of every served sub-proposer in one tree; served as soon as one trained
-# sub-proposer is. Its own drafter folder (`--drafter mtp=DIR`, optional) holds the MTP heads.
-# Sub-proposer → the method whose drafter it is (None: needs none).
-COMPOSITE_METHODS = ("mtp",)
-MTP_SUBPROPOSERS = {"mtp_heads": "mtp", "eagle": "eagle", "draft": "draft", "ngram": None}
-PLACEMENTS = ("fused", "remote")
+PLACEMENTS = registry.PLACEMENTS
 
 
 @dataclass(frozen=True)
@@ -99,28 +66,34 @@ class EngineSettings:
 
 
 def static_methods(drafters: tuple[tuple[str, str], ...]) -> list[str]:
+    """Methods that run another method's drafter, where that drafter is served (dspark)."""
     served = {m for m, _ in drafters}
-    return [m for m, base in STATIC_METHODS.items() if base in served]
+    return [m for m, base in registry.borrowed().items() if base in served]
 
 
 def composite_methods(drafters: tuple[tuple[str, str], ...]) -> list[str]:
+    """The composite (mtp), served as soon as one member's trained drafter is."""
+    mtp = registry.composite()
     served = {m for m, _ in drafters}
-    trained = {m for m in MTP_SUBPROPOSERS.values() if m}
-    return ["mtp"] if served & trained and "mtp" not in served else []
+    trained = {m.drafter for m in mtp.members if m.drafter}
+    return [mtp.name] if served & trained and mtp.name not in served else []
 
 
 def mtp_subproposers(drafters: tuple[tuple[str, str], ...]) -> list[str]:
-    """The sub-proposers `mtp` merges in a deployment with these drafters (MTP_SUBPROPOSERS order)."""
-    served = {m for m, _ in drafters}
-    return [sub for sub, m in MTP_SUBPROPOSERS.items() if m is None or m in served]
+    """The members `mtp` merges in a deployment with these drafters (in the mtp spec's order)."""
+    return list(registry.served_members(drafters))
 
 
 def mtp_runs_remote(mtp_placement: str, drafters: tuple[tuple[str, str], ...]) -> bool:
     """Whether mtp runs as the mtp_proposal ensemble: its placement is remote, mtp is served, and
-    so is an EAGLE drafter (the ensemble's EAGLE models). The renderer and the engine both ask."""
+    so are the drafters its remote placement needs (EAGLE: the ensemble's EAGLE models). The
+    renderer and the engine both ask."""
+    mtp = registry.composite()
     if mtp_placement not in PLACEMENTS:
-        raise ValueError(f"mtp placement must be one of {', '.join(PLACEMENTS)}, got {mtp_placement!r}")
-    return mtp_placement == "remote" and "mtp" in served_methods(drafters) and any(m == "eagle" for m, _ in drafters)
+        raise ValueError(f"{mtp.name} placement must be one of {', '.join(PLACEMENTS)}, got {mtp_placement!r}")
+    served = {m for m, _ in drafters}
+    return (mtp_placement == "remote" and mtp.name in served_methods(drafters)
+            and all(need in served for need in mtp.remote_needs))
 
 
 def where_drafters_run(drafters: tuple[tuple[str, str], ...], placement: str = "fused",
@@ -128,109 +101,33 @@ def where_drafters_run(drafters: tuple[tuple[str, str], ...], placement: str = "
     """One line per served drafter, and one for mtp, saying where it runs (for startup logs)."""
     from specserve.core.paths import shown
 
-    remote_mtp = "mtp" in served_methods(drafters) and mtp_runs_remote(mtp_placement, drafters)
+    mtp = registry.composite()
+    served = mtp.name in served_methods(drafters)
+    remote_mtp = served and mtp_runs_remote(mtp_placement, drafters)
     lines = []
     for method, folder in drafters:
-        if method == "mtp":   # the MTP heads run where mtp does
+        if method == mtp.name:   # the MTP heads run where mtp does
             where = "remote" if remote_mtp else "fused"
         else:
-            where = "fused: no remote export" if method in FUSED_ONLY and placement == "remote" else placement
+            where = "fused: no remote export" if registry.get(method).fused_only and placement == "remote" else placement
         lines.append(f"drafter {method} from {shown(folder)} ({where})")
-    if "mtp" in served_methods(drafters):
+    if served:
+        needs = " and ".join(f"an {n.upper()} drafter" for n in mtp.remote_needs)
         where = ("remote: the mtp_proposal ensemble" if remote_mtp
-                 else "fused" + (": remote needs an EAGLE drafter" if mtp_placement == "remote" else ""))
+                 else "fused" + (f": remote needs {needs}" if mtp_placement == "remote" else ""))
         lines.append(f"mtp merges {', '.join(mtp_subproposers(drafters))} ({where})")
     return lines
 
 
 def served_methods(drafters: tuple[tuple[str, str], ...]) -> list[str]:
-    return ["none", *PROPOSERS, *(m for m, _ in drafters), *static_methods(drafters), *composite_methods(drafters)]
+    plain = [s.name for s in registry.specs() if s.drafts_with == "nothing"]
+    return [*plain, *(m for m, _ in drafters), *static_methods(drafters), *composite_methods(drafters)]
 
 
 def available_methods(settings: EngineSettings) -> list[str]:
     return served_methods(settings.drafters)
 
 
-def _static(method: str, folder: str, model, settings: EngineSettings, max_len: int, base) -> "Proposer":
-    from specserve.methods.dspark.proposer import DSParkProposer
-    from specserve.methods.eagle.drafter import load_eagle
-
-    # Share the fused EAGLE proposer's drafter weights when there is one.
-    drafter = getattr(base, "drafter", None) or load_eagle(
-        folder, model, dtype=resolve_drafter_dtype(settings.drafter_dtype, model))
-    return DSParkProposer(drafter, model, max_num_seqs=settings.max_num_seqs, max_model_len=max_len,
-                          max_draft_len=settings.max_draft_len, threshold=settings.spec_threshold)
-
-
-def _mtp_heads(folder: str, model, settings: EngineSettings) -> "Proposer":
-    try:
-        from specserve.methods.mtp.heads import load_mtp_heads
-        from specserve.methods.mtp.heads_proposer import MTPHeadsProposer
-    except ImportError as e:
-        raise ValueError(f"--drafter mtp={folder}: the MTP heads proposer is not available ({e})") from None
-    heads = load_mtp_heads(folder, model, dtype=resolve_drafter_dtype(settings.drafter_dtype, model))
-    return MTPHeadsProposer(heads, max_draft_len=settings.max_draft_len)
-
-
-def _mtp(proposers: dict, folder: str | None, model, settings: EngineSettings) -> "Proposer":
-    """The `mtp` method over every served sub-proposer, sharing the served methods' instances.
-    Remote placement (settings.mtp_placement, the default) runs it as the mtp_proposal ensemble (all
-    of them; remote_mtp.py); a deployment without an EAGLE drafter has no such ensemble, and runs
-    mtp fused, as the draft model (said in the log)."""
-    from specserve.methods.mtp.proposer import MultiDraftProposer
-
-    if mtp_runs_remote(settings.mtp_placement, settings.drafters):
-        from specserve.methods.mtp.remote import remote_mtp
-        return remote_mtp(settings, mtp_subproposers(settings.drafters))
-    if settings.mtp_placement == "remote":
-        log.warning("mtp runs fused: its remote placement needs an EAGLE drafter (mtp_proposal's EAGLE models), "
-                    "and none is served")
-    subs = [proposers[m] for sub, m in MTP_SUBPROPOSERS.items() if m and sub != "mtp_heads" and m in proposers]
-    subs.append(proposers["ngram"])
-    if folder:
-        subs.append(_mtp_heads(folder, model, settings))
-    return MultiDraftProposer(subs, max_draft_len=settings.max_draft_len, vocab_size=model.cfg.vocab_size)
-
-
-def _drafted(method: str, folder: str, model, settings: EngineSettings, max_len: int) -> "Proposer":
-    if method not in DRAFTED:
-        raise ValueError(f"unknown drafter method {method!r}; drafters: {', '.join(DRAFTED)}")
-    if settings.placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {settings.placement!r}")
-    if method == "dflash":
-        from specserve.methods.dflash.drafter import load_dflash
-        from specserve.methods.dflash.proposer import DFlashProposer
-
-        drafter = load_dflash(folder, model, dtype=resolve_drafter_dtype(settings.drafter_dtype, model),
-                              block_size=settings.block_size)
-        return DFlashProposer(drafter, model, max_num_seqs=settings.max_num_seqs, name=method,
-                              threshold=settings.spec_threshold)
-    if method == "draft":
-        return _draft_model(folder, model, settings, max_len)
-    if settings.placement == "remote":
-        from specserve.methods.remote import RemoteProposer
-        from specserve.triton import bls
-
-        return RemoteProposer(method, bls.proposal_call(), max_draft_len=settings.max_draft_len,
-                              threshold=settings.spec_threshold, release=bls.release_call())
-    from specserve.methods.eagle.drafter import load_eagle
-    from specserve.methods.eagle.proposer import EagleProposer
-
-    drafter = load_eagle(folder, model, dtype=resolve_drafter_dtype(settings.drafter_dtype, model))
-    return EagleProposer(drafter, model, max_num_seqs=settings.max_num_seqs,
-                         max_model_len=max_len, max_draft_len=settings.max_draft_len,
-                         threshold=settings.spec_threshold, name=method)
-
-
-def _draft_model(folder: str, model, settings: EngineSettings, max_len: int) -> "Proposer":
-    from specserve.methods.draft.drafter import load_draft_model
-    from specserve.methods.draft.proposer import DraftModelProposer
-
-    # Refuses a draft model whose tokenizer does not give the target's ids (check_tokenizer).
-    draft = load_draft_model(folder, model, load_tokenizer(settings.checkpoint),
-                             dtype=resolve_drafter_dtype(settings.drafter_dtype, model))
-    return DraftModelProposer(draft, max_num_seqs=settings.max_num_seqs, max_model_len=max_len,
-                              max_draft_len=settings.max_draft_len)
 
 
 def default_max_model_len(checkpoint: str | Path) -> int:
@@ -238,8 +135,48 @@ def default_max_model_len(checkpoint: str | Path) -> int:
     return min(load_config(checkpoint).max_position_embeddings, 2048)
 
 
-def build_engine(settings: EngineSettings):
-    """→ (Engine, tokenizers.Tokenizer). Raises CheckpointError for an unusable checkpoint."""
+def _placement(spec: registry.MethodSpec, settings: EngineSettings, remote: "RemoteCalls | None") -> str:
+    """Where `spec` runs in this deployment: the composite by its own placement (remote only with
+    BLS calls to make), a drafter by the deployment's placement where it has a remote one."""
+    if spec.drafts_with == "composite":
+        return "remote" if remote is not None and mtp_runs_remote(settings.mtp_placement, settings.drafters) else "fused"
+    if spec.drafts_with == "own" and settings.placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {settings.placement!r}")
+    return settings.placement if settings.placement in spec.placements else "fused"
+
+
+def build_proposers(model, settings: EngineSettings, max_len: int,
+                    remote: "RemoteCalls | None" = None) -> dict[str, "AnyProposer"]:
+    """Every served method's proposer but none's (the engine's own), in the registry's order of
+    kinds: those drafting with nothing, with their own drafter, then the composite (over the
+    others) and those borrowing another's drafter."""
+    for method, _ in settings.drafters:
+        if method not in registry.folder_methods():
+            raise ValueError(f"unknown drafter method {method!r}; drafters: {', '.join(registry.with_drafts('own'))}")
+    served = served_methods(settings.drafters)
+    folders = dict(settings.drafters)
+    dtype = resolve_drafter_dtype(settings.drafter_dtype, model)
+    proposers: dict[str, "AnyProposer"] = {}
+    for kind in ("nothing", "own", "composite", "other"):
+        for spec in registry.specs():
+            if spec.drafts_with != kind or spec.builder is None or spec.name not in served:
+                continue
+            placement = _placement(spec, settings, remote)
+            if spec.drafts_with == "composite" and placement == "fused" and settings.mtp_placement == "remote":
+                log.warning("%s runs fused: %s", spec.name,
+                            "its remote placement needs an EAGLE drafter (mtp_proposal's EAGLE models), and none is served"
+                            if remote is not None else "built in process, with no BLS calls to make")
+            ctx = registry.BuildContext(model, Path(settings.checkpoint), folders.get(spec.name), settings.drafters,
+                                        proposers, settings.max_num_seqs, max_len, settings.max_draft_len,
+                                        settings.spec_threshold, dtype, settings.block_size, placement, remote)
+            proposers[spec.name] = spec.build(ctx)
+    return proposers
+
+
+def build_engine(settings: EngineSettings, remote: "RemoteCalls | None" = None):
+    """→ (Engine, tokenizers.Tokenizer). Raises CheckpointError for an unusable checkpoint.
+    `remote`: the BLS calls of remote proposers (the target_verifier adapter's); None builds every
+    method fused."""
     from specserve.core.engine import Engine, EngineConfig
     from specserve.model.transformer import load_model
 
@@ -254,19 +191,9 @@ def build_engine(settings: EngineSettings):
     config = EngineConfig(max_num_seqs=settings.max_num_seqs, max_model_len=max_len,
                           max_draft_len=settings.max_draft_len, default_method=settings.default_method,
                           max_queue_len=settings.max_queue_len, draft_policy=settings.draft_policy)
-    proposers = {name: make() for name, make in PROPOSERS.items()}
-    for method, folder in settings.drafters:
-        if method != "mtp":
-            proposers[method] = _drafted(method, folder, model, settings, max_len)
-    if "mtp" in served_methods(settings.drafters):
-        proposers["mtp"] = _mtp(proposers, dict(settings.drafters).get("mtp"), model, settings)
-    for method, base in STATIC_METHODS.items():
-        folder = dict(settings.drafters).get(base)
-        if folder:
-            proposers[method] = _static(method, folder, model, settings, max_len, proposers.get(base))
-    engine = Engine(model, config, proposers, detokenize=make_decode(tokenizer))
+    engine = Engine(model, config, build_proposers(model, settings, max_len, remote), detokenize=make_decode(tokenizer))
     if model.device.type == "cuda":  # capture the static-step graphs now, not on a request's path
         for proposer in engine.proposers.values():
-            if getattr(proposer, "static_step", False):
+            if proposer.static_step:
                 proposer.warm()
     return engine, tokenizer

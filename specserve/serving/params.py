@@ -12,6 +12,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from specserve.methods import registry
+
 if TYPE_CHECKING:
     from specserve.serving.tiers import Tier
 
@@ -32,9 +34,7 @@ SAMPLING_KEYS: dict[str, str] = {
     "spec_threshold": _NUM,
     "draft_policy": "a string",
     "spec_fallback": "a string",
-    "mtp_proposers": "a list of strings",
-    "mtp_tree_budget": _INT,
-    "dflash_block_size": _INT,
+    **{key: registry.option(key)[1].kind for key in registry.option_keys()},
 }
 # The draft policy, not sampling. draft_policy: "adaptive" (the engine picks each step's draft
 # length for the best expected goodput at the current load) or "fixed" (always the full length).
@@ -46,7 +46,8 @@ SPEC_KEYS = ("spec_method", "num_draft_tokens", "spec_threshold", "draft_policy"
 # method's proposer: mtp_proposers = the sub-proposers whose drafts `mtp` merges for this request
 # (of those served), mtp_tree_budget = the merged tree's nodes at most (≤ the server's max_draft_len);
 # dflash_block_size = dflash's block size B for the request (drafts ≤ B - 1 tokens per step).
-OPTION_KEYS = ("mtp_proposers", "mtp_tree_budget", "dflash_block_size")
+# Each method declares its own (methods/registry.py OptionSpec).
+OPTION_KEYS = registry.option_keys()
 
 
 class BadRequest(ValueError):
@@ -123,14 +124,13 @@ def _check_type(key: str, value: Any) -> Any:
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return value
     if key == "spec_fallback" and isinstance(value, str):
-        from specserve.serving.build import GUARDED   # methods with a repetition guard: never a fallback
-
-        if value in GUARDED:
+        guarded = registry.guarded()   # methods with a repetition guard: never a fallback
+        if value in guarded:
             raise BadRequest(f"sampling_parameters.spec_fallback must name a method other than "
-                             f"{' / '.join(GUARDED)}, got {json.dumps(value)}")
+                             f"{' / '.join(guarded)}, got {json.dumps(value)}")
     if key in ("spec_method", "draft_policy", "spec_fallback") and isinstance(value, str):
         return value
-    if key == "mtp_proposers" and isinstance(value, list) and all(isinstance(s, str) for s in value):
+    if kind == "a list of strings" and isinstance(value, list) and all(isinstance(s, str) for s in value):
         return value
     raise BadRequest(f"sampling_parameters.{key} must be {kind}, got {json.dumps(value)}")
 
@@ -199,14 +199,14 @@ def apply_tier(tier: "Tier", sampling: dict[str, Any], spec: dict[str, Any]) -> 
     for key, value in tier_spec.items():
         if key not in spec and value is not None:
             spec[key] = value
-    # The tier's method options, for requests that run the method they belong to.
-    tier_options = {"mtp_proposers": ("mtp", None if tier.proposers is None else list(tier.proposers)),
-                    "mtp_tree_budget": ("mtp", tier.tree_budget),
-                    "dflash_block_size": ("dflash", tier.block_size)}
+    # The tier's method options (each option's tier setting), for requests that run the method
+    # they belong to.
     options = dict(spec.get("options") or {})
-    for key, (method, value) in tier_options.items():
-        if key not in options and value is not None and spec.get("spec_method") == method:
-            options[key] = value
+    for key in OPTION_KEYS:
+        method, option = registry.option(key)
+        value = getattr(tier, option.tier_setting)
+        if key not in options and value is not None and spec.get("spec_method") == method.name:
+            options[key] = list(value) if isinstance(value, tuple) else value
     if options:
         spec["options"] = options
     if tier.max_tokens is not None:

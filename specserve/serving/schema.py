@@ -30,6 +30,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from specserve.methods import registry
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -160,7 +162,7 @@ EAGLE_PROPOSAL_STEPS = (EAGLE_BACKBONE, CALIBRATION_HEAD)
 # → mtp_arbiter): the drafters run in parallel and the arbiter merges their drafts into one tree per
 # row (specserve/methods/mtp/remote.py). Besides EAGLE's inputs the engine sends each row's tokens
 # (for n-gram lookup and the draft model), its tree budget, its proposer set (bit i =
-# multi_draft.SUBPROPOSERS[i]) and its calibration threshold; it gets back a tree: tokens, parents
+# the mtp spec's member i) and its calibration threshold; it gets back a tree: tokens, parents
 # (-1 = child of the pending token) and per node the proposers whose candidate passes through it
 # (same bits), -1 padded. mtp_heads and draft_drafter are members only where their weights are
 # served (render.render_mtp_proposal; MTP_DRAFTERS below).
@@ -195,11 +197,11 @@ MTP_ARBITER = ModelSpec("mtp_arbiter", tuple(replace(t, optional=True) for t in
                         + TREE_SETTINGS, (TREE_TOKENS, TREE_PARENTS, TREE_SOURCES))
 MTP_PROPOSAL = ModelSpec("mtp_proposal", _DRAFT_IN + (CONTEXT_TOKENS,) + TREE_SETTINGS,
                          (TREE_TOKENS, TREE_PARENTS, TREE_SOURCES, UNKNOWN))
-# Each mtp sub-proposer (keys: multi_draft.SUBPROPOSERS, checked in remote_mtp) → its drafter
-# models in mtp_proposal, in call order; a sub-proposer is a member where it is served.
+# Each mtp member (the mtp spec's, in its order) → its drafter models in mtp_proposal, in call
+# order, named by the spec; a member is in the ensemble where it is served.
+_DRAFTER_MODELS = {m.name: m for m in (MTP_HEADS, EAGLE_BACKBONE, CALIBRATION_HEAD, DRAFT_DRAFTER, NGRAM_DRAFTER)}
 MTP_DRAFTERS: dict[str, tuple[ModelSpec, ...]] = {
-    "mtp_heads": (MTP_HEADS,), "eagle": (EAGLE_BACKBONE, CALIBRATION_HEAD), "draft": (DRAFT_DRAFTER,),
-    "ngram": (NGRAM_DRAFTER,)}
+    m.name: tuple(_DRAFTER_MODELS[n] for n in m.triton_models) for m in registry.composite().members}
 # Every model mtp_proposal may have (what `specserve drafters` may load / unload).
 MTP_PROPOSAL_STEPS = (*(m for models in MTP_DRAFTERS.values() for m in models), MTP_ARBITER)
 

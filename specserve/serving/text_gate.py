@@ -25,7 +25,7 @@ import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
-from specserve.serving.build import GATED_METHOD
+from specserve.methods import registry
 from specserve.serving.params import BadRequest
 from specserve.serving.text_classifier import (DEFAULT_DFLASH_TYPES, Classification, ClassifierUnavailable,
                                                check_text_types)
@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("specserve.serving.text_gate")
 
 DEFAULT_FALLBACK = "ngram"               # the server's fallback when neither request nor tier names one
+# The method the gate acts on (its spec says text_gated).
+GATED_METHOD = registry.gated_method()
 # Decisions, as counted in specserve_text_gate_total{decision=…} and shown in spec_stats.
 KEPT, ROUTED, UNAVAILABLE = "dflash", "fallback", "unavailable"
 

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from specserve.core.scheduling import MAX_PRIORITY
+from specserve.methods import registry
 from specserve.serving.schema import DEFAULT_TIER, TIER_NAME_PATTERN
 
 PRIORITY_RANGE = (0, MAX_PRIORITY)   # admission.py: higher first, aged by steps waited
@@ -47,13 +48,12 @@ BLOCK_SIZE_RANGE = (2, 16)     # dflash: block size B (→ dflash_block_size; dr
                                # 16 = DFlashConfig.max_block_size)
 TREE_BUDGET_RANGE = (1, 64)    # mtp: draft-tree nodes verified per step (→ mtp_tree_budget; the
                                # engine caps it at its max_draft_len)
-METHOD_SETTINGS = {"block_size": ("dflash",), "tree_budget": ("mtp",), "proposers": ("mtp",),
-                   "dflash_text_types": ("dflash",)}
+# Each method declares its settings (methods/registry.py): key → the methods it applies to.
+METHOD_SETTINGS = registry.tier_settings()
 
 _TOP_KEYS = ("tiers",)
 _TIER_KEYS = ("name", "method", "fallback", "priority", "proposer", "limits")
-_PROPOSER_KEYS = ("max_draft_len", "spec_threshold", "draft_policy", "block_size", "tree_budget", "proposers",
-                  "dflash_text_types")
+_PROPOSER_KEYS = ("max_draft_len", "spec_threshold", "draft_policy", *METHOD_SETTINGS)
 _LIMIT_KEYS = ("max_tokens",)
 
 
@@ -107,15 +107,11 @@ def default_tier() -> Tier:
 
 
 def known_methods() -> tuple[str, ...]:
-    from specserve.serving.build import COMPOSITE_METHODS, DRAFTED, PROPOSERS, STATIC_METHODS
-
-    return ("none", *PROPOSERS, *DRAFTED, *STATIC_METHODS, *COMPOSITE_METHODS)
+    return registry.names()
 
 
 def mtp_subproposers() -> tuple[str, ...]:
-    from specserve.serving.build import MTP_SUBPROPOSERS
-
-    return tuple(MTP_SUBPROPOSERS)
+    return registry.member_names()
 
 
 def _is_int(v: Any) -> bool:

@@ -10,8 +10,15 @@ from __future__ import annotations
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from specserve.core.proposer import RemoteCalls
 from specserve.serving import schema
 from specserve.serving.schema import ModelSpec
+
+
+def remote_calls() -> RemoteCalls:
+    """The BLS calls of a deployment's remote proposers, for build_engine (target_verifier)."""
+    return RemoteCalls(eagle_proposal=proposal_call(), eagle_release=release_call(),
+                       mtp_proposal=mtp_call, mtp_release=mtp_release_call)
 
 
 def _request(spec: ModelSpec, inputs: dict[str, np.ndarray], outputs: tuple[str, ...]):

@@ -40,7 +40,8 @@ from pathlib import Path
 from specserve.serving.text_classifier import DEFAULT_DFLASH_TYPES
 from specserve.serving import schema
 from specserve.serving.auth import new_key
-from specserve.serving.build import FUSED_ONLY, EngineSettings, mtp_runs_remote
+from specserve.methods import registry
+from specserve.serving.build import EngineSettings, mtp_runs_remote
 from specserve.serving.schema import ModelSpec
 from specserve.serving.tiers import Tier
 from specserve.triton.pbtxt import tensors
@@ -195,8 +196,8 @@ def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
     remote_mtp = mtp_runs_remote(settings.mtp_placement, settings.drafters)
     if settings.placement == "remote" or remote_mtp:
         for method, folder in settings.drafters:
-            if method in FUSED_ONLY or method == "mtp":
-                continue  # runs inside the engine in either placement (factory.FUSED_ONLY); mtp below
+            if "remote" not in registry.get(method).placements or method == registry.composite().name:
+                continue  # runs inside the engine in either placement (fused only); mtp below
             render_eagle_proposal(Path(settings.checkpoint), Path(folder), repo, version=1,
                                   backend=settings.drafter_backend, max_num_seqs=settings.max_num_seqs,
                                   max_draft_len=settings.max_draft_len)
@@ -237,10 +238,9 @@ def render_mtp_proposal(settings: RepositorySettings, repo: Path) -> None:
     """mtp_proposal and its own models: ngram_drafter and mtp_arbiter always, mtp_heads and
     draft_drafter where their weights are served (factory.mtp_subproposers, as the engine's
     remote mtp); the EAGLE models are render_eagle_proposal's."""
-    from specserve.serving.build import MTP_SUBPROPOSERS, mtp_subproposers
-
-    served = mtp_subproposers(settings.drafters)
-    folders = {sub: Path(dict(settings.drafters)[m]) for sub, m in MTP_SUBPROPOSERS.items() if m and sub in served}
+    served = registry.served_members(settings.drafters)
+    folders = {m.name: Path(dict(settings.drafters)[m.drafter]) for m in registry.composite().members
+               if m.drafter and m.name in served}
     steps = schema.mtp_proposal_steps(served)
     for spec in (schema.NGRAM_DRAFTER, schema.MTP_ARBITER):
         (repo / spec.name / "1").mkdir(parents=True, exist_ok=True)

@@ -75,13 +75,14 @@ def _params(config: dict) -> dict[str, str]:
 
 def server_limits(client, key: str | None) -> ServerLimits:
     """What the running server serves, from target_verifier's rendered parameters."""
-    from specserve.serving.build import STATIC_METHODS, EngineSettings, available_methods
+    from specserve.methods import registry
+    from specserve.serving.build import EngineSettings, available_methods
     from specserve.triton.render import decode_drafters
 
     p = _params(_config(client, schema.TARGET_VERIFIER.name, key))
     settings = EngineSettings(Path(p["checkpoint"]), drafters=decode_drafters(p.get("drafters", "")))
     return ServerLimits(tuple(available_methods(settings)), int(p["max_draft_len"]), int(p["max_model_len"]),
-                        drafted=dict(STATIC_METHODS))
+                        drafted=registry.borrowed())
 
 
 def list_tiers(url: str, admin_key: str | None) -> list[ServedTier]:

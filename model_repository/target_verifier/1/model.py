@@ -14,7 +14,7 @@ import json
 import triton_python_backend_utils as pb_utils
 
 from specserve.serving import auth, schema
-from specserve.triton import pb
+from specserve.triton import bls, pb
 from specserve.serving.build import build_engine
 from specserve.triton.metrics import TritonMetrics
 from specserve.serving.params import RequestConfig
@@ -62,7 +62,10 @@ class TritonPythonModel:
         settings = verifier_settings(p)
         self.metrics = TritonMetrics(pb_utils)
         # Built on the engine's own thread: a model loaded on another thread decodes slower.
-        self.service = VerifierService(lambda: build_engine(settings)[0], self.metrics)
+        # Remote proposers call their Triton models by BLS: the calls are made here, in the only
+        # layer that touches Triton, and handed down to the builder.
+        remote = bls.remote_calls()
+        self.service = VerifierService(lambda: build_engine(settings, remote)[0], self.metrics)
 
     def execute(self, requests):
         for request in requests:

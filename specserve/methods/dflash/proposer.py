@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specserve.core.proposer import Draft, DraftRequest, ProposerError, StepOutcome
+from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, StepOutcome
+from specserve.methods.dflash.options import BLOCK_SIZE
 from specserve.core.repetition import RepetitionGuard
 from specserve.core.sampling import target_probs
 from specserve.methods.dflash.drafter import DFlashDrafter
@@ -25,7 +26,7 @@ from specserve.model.transformer import Transformer
 
 # Per-request option (sampling_parameters → DraftRequest.options; a tier's proposer.block_size):
 # the row's block size B, in [2, the drafter's max_block_size]; None → the proposer's.
-OPT_BLOCK_SIZE = "dflash_block_size"
+OPT_BLOCK_SIZE = BLOCK_SIZE.key
 
 
 def stack_views(views: list[MemoryView], window: int) -> tuple[torch.Tensor, ...]:
@@ -49,7 +50,7 @@ def stack_views(views: list[MemoryView], window: int) -> tuple[torch.Tensor, ...
     return ring, ring_valid, anchors, anchor_valid, pool
 
 
-class DFlashProposer:
+class DFlashProposer(ProposerDefaults):
     """Fused DFlash proposer: one drafter forward per step drafts a block for every row."""
 
     name = "dflash"

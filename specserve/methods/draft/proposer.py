@@ -25,7 +25,7 @@ import torch
 
 from specserve.core.forward import ForwardBatch
 from specserve.core.masks import build_mask, chain_parents
-from specserve.core.proposer import Draft, DraftRequest, ProposerError, StepOutcome
+from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, StepOutcome
 from specserve.core.sampling import target_probs
 from specserve.model.transformer import Transformer
 
@@ -37,7 +37,7 @@ class _SeqState:
     base: int = 0       # len(token_ids) at the last propose (through the pending token)
 
 
-class DraftModelProposer:
+class DraftModelProposer(ProposerDefaults):
     """Fused draft-model proposer: the small LM runs in the engine's process, batched over rows."""
 
     name = "draft"

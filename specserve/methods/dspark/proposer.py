@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from specserve.core.cuda_graphs import GraphCache
 from specserve.core.kv_cache import KVCache
 from specserve.model.transformer import Transformer
-from specserve.core.proposer import Draft, DraftRequest, ProposerError, StepOutcome
+from specserve.core.proposer import DraftRequest, ProposerDefaults
 from specserve.methods.eagle.drafter import CalibrationHead, EagleDrafter
 from specserve.methods.eagle.proposer import EagleProposer
 from specserve.core.static_step import (DeviceKV, SamplingTensors, StaticOutcome, StaticRow, StepInputs,
@@ -61,9 +61,9 @@ class StepKey:
     sampled: bool
 
 
-class DSParkProposer:
-    """The `dspark` method. The engine calls `step` for its rows (not `propose`): see
-    Engine._decode_static."""
+class DSParkProposer(ProposerDefaults):
+    """The `dspark` method, a StaticStepProposer: the engine calls `step` for its rows (it has no
+    `propose`): see Engine._decode_static."""
 
     name = "dspark"
     needs_features = True   # the engine's prefill hands over the prompt's features
@@ -98,13 +98,7 @@ class DSParkProposer:
         self._kv: DeviceKV | None = None
         self._scratch = -1
 
-    # -- the Proposer interface (the dynamic path never drafts for dspark rows) --------------------
-    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        raise ProposerError("dspark runs as a static step (Engine._decode_static), not through propose()")
-
-    def observe(self, outcomes: list[StepOutcome]) -> None:
-        pass
-
+    # -- the StaticStepProposer interface (core/proposer.py) -------------------------------------
     def release(self, seq_id: int) -> None:
         self.eagle.release(seq_id)
         self._pending.pop(seq_id, None)

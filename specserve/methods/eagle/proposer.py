@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from specserve.core.forward import ForwardBatch
 from specserve.core.masks import build_mask
-from specserve.core.proposer import Draft, DraftRequest, ProposerError, StepOutcome
+from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, StepOutcome
 from specserve.core.sampling import target_probs
 from specserve.methods.eagle.drafter import CalibrationHead, EagleDrafter
 from specserve.model.transformer import Transformer
@@ -32,7 +32,7 @@ class _SeqState:
     valid: int  # drafter cache entries built from TRUE target features (pairs 0..valid-1)
 
 
-class EagleProposer:
+class EagleProposer(ProposerDefaults):
     """Fused EAGLE proposer: the drafter runs in the engine's process, batched over sequences."""
 
     name = "eagle"

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.core.proposer import Draft, DraftRequest, ProposerError, StepOutcome
+from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, StepOutcome
 from specserve.core.sampling import target_probs
 from specserve.methods.mtp.heads import MTPHeads
 
@@ -29,7 +29,7 @@ class _SeqState:
     committed: int         # t + 1: how many committed tokens the proposer has seen features for
 
 
-class MTPHeadsProposer:
+class MTPHeadsProposer(ProposerDefaults):
     """Fused MTP-heads proposer: one batched heads forward per step, no per-sequence KV."""
 
     name = "mtp_heads"

@@ -27,15 +27,17 @@ from typing import Sequence
 import torch
 
 from specserve.methods.mtp.arbiter import ArbiterConfig, Candidate, arbitrate
-from specserve.core.proposer import Draft, DraftRequest, Proposer, ProposerError, StepOutcome
+from specserve.methods.mtp.options import MEMBERS, PROPOSERS as PROPOSERS_OPTION, TREE_BUDGET
+from specserve.core.proposer import Draft, DraftRequest, Proposer, ProposerDefaults, ProposerError, StepOutcome
 
 log = logging.getLogger("specserve.mtp")
 
-# Every sub-proposer `mtp` knows, in tie-break order. A deployment serves those it has (the MTP
-# heads and the draft model need trained weights; eagle its drafter; ngram needs nothing).
-SUBPROPOSERS = ("mtp_heads", "eagle", "draft", "ngram")
+# Every sub-proposer `mtp` knows, in tie-break order: the mtp spec's members. A deployment serves
+# those it has (the MTP heads and the draft model need trained weights; eagle its drafter; ngram
+# needs nothing).
+SUBPROPOSERS = tuple(m.name for m in MEMBERS)
 # Per-request options (sampling_parameters keys, through DraftRequest.options).
-OPT_PROPOSERS, OPT_BUDGET = "mtp_proposers", "mtp_tree_budget"
+OPT_PROPOSERS, OPT_BUDGET = PROPOSERS_OPTION.key, TREE_BUDGET.key
 DEFAULT_DEPTH = 8   # tokens drafted per sub-proposer per step, at most
 
 
@@ -108,7 +110,7 @@ def sub_outcome(seq_id: int, draft: Draft, where: list[int | None], outcome: Ste
     return StepOutcome(seq_id, len(draft), accepted, list(outcome.emitted))
 
 
-class MultiDraftProposer:
+class MultiDraftProposer(ProposerDefaults):
     name = "mtp"
 
     def __init__(self, proposers: Sequence[Proposer], *, max_draft_len: int, arbiter: ArbiterConfig | None = None,
@@ -128,7 +130,7 @@ class MultiDraftProposer:
 
     @property
     def available(self) -> bool:
-        return any(getattr(p, "available", True) for p in self.subs.values())
+        return any(p.available for p in self.subs.values())
 
     # -- per-request options ------------------------------------------------------------------
     option_keys = (OPT_PROPOSERS, OPT_BUDGET)

@@ -1,6 +1,6 @@
 """`mtp`, remote placement: the drafters run as Triton models in parallel inside the ensemble
 `mtp_proposal` (mtp_heads ∥ eagle_backbone → calibration_head ∥ draft_drafter ∥ ngram_drafter, each
-where its weights are served: schema.MTP_DRAFTERS), feeding `mtp_arbiter`, which merges their
+where its weights are served: the mtp spec's members), feeding `mtp_arbiter`, which merges their
 drafts with the same arbiter as the fused method (arbiter.py); the engine calls the ensemble once
 per step by BLS (schema.MTP_PROPOSAL says what travels). What mtp_heads and draft_drafter compute
 is remote_mtp_drafters.py.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -30,17 +30,13 @@ from specserve.methods.mtp.arbiter import ArbiterConfig, Candidate, arbitrate
 from specserve.core.proposer import Draft, DraftRequest
 from specserve.methods.mtp.proposer import OPT_BUDGET, OPT_PROPOSERS, SUBPROPOSERS
 from specserve.methods.ngram.proposer import NgramProposer, lookup
-from specserve.methods.remote import Call, RemoteProposer
-from specserve.serving import schema
+from specserve.methods.remote import Call, RemoteProposer, calibration_cut
+
+if TYPE_CHECKING:
+    from specserve.core.proposer import RemoteCalls
 
 log = logging.getLogger("specserve.remote_mtp")
 
-# The sub-proposers the remote ensemble runs: all of fused mtp's, each by its models in
-# schema.MTP_DRAFTERS.
-REMOTE_SUBPROPOSERS = SUBPROPOSERS
-if tuple(schema.MTP_DRAFTERS) != SUBPROPOSERS:
-    raise ImportError(f"schema.MTP_DRAFTERS {tuple(schema.MTP_DRAFTERS)} must list multi_draft.SUBPROPOSERS "
-                      f"{SUBPROPOSERS} in order")
 NGRAM = NgramProposer()   # the fused method's n-gram settings, shared
 
 
@@ -65,9 +61,9 @@ def ngram_batch(context_tokens: np.ndarray, max_draft_len: np.ndarray) -> np.nda
 
 def _eagle_candidate(tokens: np.ndarray, scalars: np.ndarray | None, accept: np.ndarray | None,
                      threshold: float) -> Candidate | None:
-    """EAGLE's chain up to its calibration cut (as RemoteProposer._cut); confidence = log of the
+    """EAGLE's chain up to its calibration cut (as methods/remote.calibration_cut); confidence = log of the
     drafter's top-1 probability (draft_scalars[..., 0]), as the fused proposer's Draft.logprobs."""
-    kept = RemoteProposer._cut(tokens, accept, threshold if threshold > 0 else None)
+    kept = calibration_cut(tokens, accept, threshold if threshold > 0 else None)
     if not kept:
         return None
     lps = [math.log(max(float(scalars[j, 0]), 1e-30)) if scalars is not None else ArbiterConfig().prior("eagle")
@@ -203,13 +199,12 @@ class RemoteMTPProposer(RemoteProposer):
         return drafts
 
 
-def remote_mtp(settings, served: list[str]) -> RemoteMTPProposer:
-    """The remote `mtp` proposer of a deployment (factory._mtp): `served` are its sub-proposers,
-    the mtp_proposal ensemble's members (render.render_mtp_proposal renders the same set)."""
+def remote_mtp(remote: "RemoteCalls", served, *, max_draft_len: int, threshold: float | None) -> RemoteMTPProposer:
+    """The remote `mtp` proposer of a deployment (the mtp spec's builder): `served` are its
+    members, the mtp_proposal ensemble's (render.render_mtp_proposal renders the same set);
+    `remote` has the BLS calls (specserve.triton.bls.remote_calls)."""
     from specserve.methods.mtp.arbiter import DEFAULT_BUDGET
-    from specserve.triton import bls
 
     served = [n for n in SUBPROPOSERS if n in served]
-    return RemoteMTPProposer(bls.mtp_call(served), served=tuple(served), max_draft_len=settings.max_draft_len,
-                             budget=DEFAULT_BUDGET, threshold=settings.spec_threshold,
-                             release=bls.mtp_release_call(served))
+    return RemoteMTPProposer(remote.mtp_proposal(served), served=tuple(served), max_draft_len=max_draft_len,
+                             budget=DEFAULT_BUDGET, threshold=threshold, release=remote.mtp_release(served))

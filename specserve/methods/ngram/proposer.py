@@ -7,7 +7,7 @@ at index 0, so the draft is what followed: [c d a b …] up to max_draft_len tok
 
 from __future__ import annotations
 
-from specserve.core.proposer import Draft, DraftRequest, StepOutcome
+from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults
 
 
 def lookup(tokens: list[int], *, max_n: int, min_n: int, k: int) -> list[int]:
@@ -23,9 +23,8 @@ def lookup(tokens: list[int], *, max_n: int, min_n: int, k: int) -> list[int]:
     return []
 
 
-class NgramProposer:
+class NgramProposer(ProposerDefaults):
     name = "ngram"
-    needs_features = False
 
     def __init__(self, max_n: int = 3, min_n: int = 1, num_draft_tokens: int = 4):
         if not 1 <= min_n <= max_n:
@@ -36,9 +35,3 @@ class NgramProposer:
         return [Draft.chain(lookup(r.token_ids, max_n=self.max_n, min_n=self.min_n,
                                    k=min(self.k, r.max_draft_len)))
                 for r in requests]
-
-    def observe(self, outcomes: list[StepOutcome]) -> None:
-        pass
-
-    def release(self, seq_id: int) -> None:
-        pass
