@@ -573,6 +573,32 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 COMMANDS.append(_add_bench)
 
 
+# -- import-gguf (specserve/model/gguf_import.py) ----------------------------------------------------
+def _add_import_gguf(sub: argparse._SubParsersAction) -> None:
+    from specserve.model.gguf_import import DTYPES, __doc__ as doc
+
+    p = sub.add_parser("import-gguf", help="a Llama / Qwen2 / Mistral GGUF file → a checkpoint folder to serve",
+                       description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("file", type=Path, help="the .gguf file")
+    p.add_argument("out", type=Path, help="the checkpoint folder to write (`specserve serve --target OUT`)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the written weights")
+    p.set_defaults(run=_import_gguf)
+
+
+def _import_gguf(args: argparse.Namespace) -> int:
+    from specserve.model.gguf_import import GGUFImportError, import_gguf
+
+    try:
+        out = import_gguf(args.file, args.out, args.dtype)
+    except GGUFImportError as e:
+        raise CliError(str(e)) from None
+    print(f"specserve: wrote {out} ({args.dtype}); serve it with `specserve serve --target {out}`", flush=True)
+    return 0
+
+
+COMMANDS.append(_add_import_gguf)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
