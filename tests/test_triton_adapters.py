@@ -47,6 +47,11 @@ def test_parse_sampling_parameters_accepts_the_known_keys():
     assert parse_sampling_parameters("  ") == ({}, {})
 
 
+def test_stop_token_ids_reach_the_sampling_parameters():
+    sampling, _ = parse_sampling_parameters('{"stop_token_ids": [2, 7], "max_tokens": 3}')
+    assert sampling == {"stop_token_ids": [2, 7], "max_tokens": 3}
+
+
 @pytest.mark.parametrize("raw,message", [
     ("{", "not valid JSON"),
     ("3", "must be a JSON object"),
@@ -55,6 +60,8 @@ def test_parse_sampling_parameters_accepts_the_known_keys():
     ('{"max_tokens": true}', "max_tokens must be an integer"),
     ('{"temperature": "hot"}', "temperature must be a number"),
     ('{"stop": [1]}', "stop must be a string or a list of strings"),
+    ('{"stop_token_ids": [2, "3"]}', "stop_token_ids must be a list of integers"),
+    ('{"stop_token_ids": 2}', "stop_token_ids must be a list of integers"),
     ('{"spec_method": 3}', "spec_method must be a string"),
     ('{"num_draft_tokens": 2.5}', "num_draft_tokens must be an integer"),
     ('{"spec_threshold": "high"}', "spec_threshold must be a number"),

@@ -115,7 +115,8 @@ class VerifierService:
     def submit(self, prompt_ids: list[int], config: RequestConfig, sender: Sender) -> str:
         """Queue a request; raises RequestRejected (a ValueError) with a client-facing message."""
         try:
-            params = SamplingParams(**{**config.sampling, "stop": tuple(config.sampling.get("stop", ()))})
+            params = SamplingParams(**{**config.sampling, "stop": tuple(config.sampling.get("stop", ())),
+                                       "stop_token_ids": tuple(config.sampling.get("stop_token_ids", ()))})
         except TypeError as e:  # a direct caller of target_verifier skipped preprocess's checks
             raise RequestRejected(f"bad sampling parameters: {e}") from None
         rid = f"{self._prefix}-{next(self._ids)}"
