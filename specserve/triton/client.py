@@ -32,8 +32,10 @@ class Completion:
 
 
 def build_inputs(prompt: str | bytes | None, sampling: dict | str | None = None, *,
-                 stream: bool | None = True, exclude_input_in_output: bool | None = None):
-    """InferInputs for `llm`; None leaves an input out (they are optional except text_input)."""
+                 stream: bool | None = True, exclude_input_in_output: bool | None = None,
+                 return_flags: dict[str, bool] | None = None):
+    """InferInputs for `llm`; None leaves an input out (they are optional except text_input).
+    `return_flags`: the vLLM backend's return_* inputs by name (schema.RETURN_FLAGS)."""
     import tritonclient.grpc as grpcclient
 
     def tensor(spec: schema.TensorSpec, value):
@@ -48,6 +50,8 @@ def build_inputs(prompt: str | bytes | None, sampling: dict | str | None = None,
     values = {schema.TEXT_INPUT: prompt.encode() if isinstance(prompt, str) else prompt,
               schema.STREAM: stream, schema.SAMPLING_PARAMETERS: sampling,
               schema.EXCLUDE_INPUT_IN_OUTPUT: exclude_input_in_output}
+    flags = return_flags or {}
+    values.update({spec: flags.get(spec.name) for spec in schema.RETURN_FLAGS})
     return [tensor(spec, v) for spec, v in values.items() if v is not None]
 
 
@@ -93,7 +97,8 @@ class StreamClient:
                     on_chunk(piece)
                 out.finish_reason = result.as_numpy(schema.FINISH_REASON.name).reshape(-1)[0].decode()
                 out.num_input_tokens = int(result.as_numpy(schema.NUM_INPUT_TOKENS.name).reshape(-1)[0])
-                out.num_output_tokens = int(result.as_numpy(schema.NUM_OUTPUT_TOKENS.name).reshape(-1)[0])
+                # Per response, as the vLLM backend counts them: the total is their sum.
+                out.num_output_tokens += int(result.as_numpy(schema.NUM_OUTPUT_TOKENS.name).reshape(-1)[0])
                 out.spec_stats = json.loads(result.as_numpy(schema.SPEC_STATS.name).reshape(-1)[0])
             if result.get_response().parameters["triton_final_response"].bool_param:
                 out.text = "".join(out.chunks)
