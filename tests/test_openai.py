@@ -37,7 +37,7 @@ def deployment(tmp_path_factory):
         api = make_server(srv.grpc_url, 0, ckpt, 256).start()
         grpc = StreamClient(srv.grpc_url)
         try:
-            yield srv, api, grpc, ChatTemplate(ckpt)
+            yield srv, api, grpc, ChatTemplate(ckpt), ckpt
         finally:
             grpc.close()
             api.stop()
@@ -45,7 +45,7 @@ def deployment(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(deployment):
-    _, api, _, _ = deployment
+    api = deployment[1]
     return openai.OpenAI(base_url=f"http://127.0.0.1:{api.port}/v1", api_key="unused", max_retries=0)
 
 
@@ -134,7 +134,7 @@ def test_unknown_model_is_404(client):
 
 
 def test_disconnect_mid_stream_cancels_the_engine_request(deployment):
-    srv, api, grpc, _ = deployment
+    srv, api = deployment[:2]
     key = 'specserve_request_success_total{finished_reason="abort",method="none",tier="default"}'
     before = scrape_metrics(srv.metrics_url)
     body = {"model": "tiny-chat", "prompt": "cancel me", "max_tokens": 240, "temperature": 0, "stream": True,
@@ -200,3 +200,67 @@ def test_http_error_body_for_invalid_json(deployment):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=30)
     assert e.value.code == 400 and "error" in json.loads(e.value.read())
+
+
+def _port_from(proc, marker: str, timeout: float = 300) -> tuple[int, list[str]]:
+    """The port in the first output line containing `marker` (the command bound port 0)."""
+    import re
+
+    lines, deadline = [], time.monotonic() + timeout
+    for line in proc.stdout:
+        lines.append(line)
+        if marker in line:
+            return int(re.search(r":(\d+)/v1", line).group(1)), lines
+        if time.monotonic() > deadline:
+            break
+    pytest.fail("".join(lines[-20:]))
+
+
+def _chat_once(port: int) -> str:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["tiny-chat"]
+    return client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=4,
+                                          temperature=0).choices[0].message.content
+
+
+def test_specserve_openai_alone_against_a_running_server(deployment):
+    import subprocess
+    import sys
+
+    srv, chat, ckpt = deployment[0], deployment[3], deployment[4]
+    proc = subprocess.Popen([sys.executable, "-m", "specserve.cli.main", "openai", "--url", srv.grpc_url,
+                             "--port", "0", "--target", str(ckpt), "--max-model-len", "256"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        port, _ = _port_from(proc, "OpenAI API for")
+        want = direct(deployment, chat.render(MESSAGES), {"max_tokens": 4, "temperature": 0}).text
+        assert _chat_once(port) == want
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_serve_with_openai_port(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from specserve.triton.launch import Ports
+
+    ckpt = make_served_checkpoint(tmp_path / "tiny-chat", seed=3)
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "</s>"}))
+    ports = Ports.free()
+    proc = subprocess.Popen([sys.executable, "-m", "specserve.cli.main", "serve", "--target", str(ckpt),
+                             "--http-port", str(ports.http), "--grpc-port", str(ports.grpc),
+                             "--metrics-port", str(ports.metrics), "--max-num-seqs", "2", "--max-model-len", "256",
+                             "--openai-port", "0", "--work-dir", str(tmp_path / "work")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        port, _ = _port_from(proc, "  OpenAI   http://")
+        assert _chat_once(port)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -39,10 +39,7 @@ class GGUFSummary:
 def _field(reader, key: str):
     """A scalar or string metadata value, or None when the key is absent."""
     f = reader.fields.get(key)
-    if f is None:
-        return None
-    value = f.contents()
-    return value
+    return None if f is None else f.contents()
 
 
 def _can_dequantize(tensor) -> bool:
