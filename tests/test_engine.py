@@ -276,3 +276,18 @@ def test_ignore_eos_runs_to_max_tokens(llama_ckpt):
     assert out.new_token_ids == plain and out.finish_reason == "length"
     with pytest.raises(RequestRejected, match="ignore_eos must be a boolean"):
         engine.submit(req("bad", PROMPTS[0], "none", ignore_eos="yes"))
+
+
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_stop_token_ids_end_the_request(llama_ckpt, method):
+    plain = engine_for(llama_ckpt).generate([req("p", PROMPTS[0], "none", n=20)])["p"].new_token_ids
+    stop = plain[5]
+    first = plain.index(stop)   # the first time that token comes
+    engine = engine_for(llama_ckpt)
+    out = engine.generate([req("s", PROMPTS[0], method, n=20, stop_token_ids=(stop,))])["s"]
+    assert out.new_token_ids == plain[:first + 1] and out.finish_reason == "stop"
+    # ignore_eos lifts the model's eos ids only, not the request's own stop tokens (as vLLM).
+    out = engine.generate([req("i", PROMPTS[0], method, n=20, stop_token_ids=(stop,), ignore_eos=True)])["i"]
+    assert out.new_token_ids == plain[:first + 1]
+    with pytest.raises(RequestRejected, match="stop_token_ids must be a list of token ids"):
+        engine.submit(req("bad", PROMPTS[0], "none", stop_token_ids=(-1,)))

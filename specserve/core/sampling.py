@@ -30,6 +30,9 @@ class SamplingParams:
     seed: int | None = None   # per-request generator seed; None = nondeterministic
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False  # keep generating past EOS (benchmarks want fixed output lengths)
+    # The request's own end tokens, beside the model's eos ids (a chat turn's end marker, say);
+    # ignore_eos does not lift them, as in vLLM.
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     @property
     def greedy(self) -> bool:
@@ -56,6 +59,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [0, 2^64), got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {list(self.stop_token_ids)!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {list(self.stop)!r}")
 

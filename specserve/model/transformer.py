@@ -11,7 +11,7 @@ H query heads, Hkv key/value heads, hd head dim, V vocabulary.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -62,8 +62,7 @@ class ModelConfig:
         try:
             hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
             head_dim = int(cfg.get("head_dim") or hidden // heads)
-            eos = cfg.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            eos_ids = _token_ids(cfg.get("eos_token_id"))
             window = cfg.get("sliding_window")
             if mtype == "qwen2" and not cfg.get("use_sliding_window", False):
                 window = None  # Qwen2 configs carry a window they do not use unless asked to
@@ -290,15 +289,37 @@ def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _token_ids(value) -> tuple[int, ...]:
+    """A config's eos_token_id: one id, a list of them, or None."""
+    if value is None:
+        return ()
+    return tuple(int(i) for i in value) if isinstance(value, list) else (int(value),)
+
+
+def _with_generation_eos(cfg: ModelConfig, path: Path) -> ModelConfig:
+    """End-of-sequence ids from generation_config.json as well as config.json: a chat model's
+    end-of-turn token is often listed only there (transformers' generate stops on either)."""
+    gen_file = path / "generation_config.json"
+    if not gen_file.is_file():
+        return cfg
+    try:
+        gen = json.loads(gen_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{gen_file} is not valid JSON: {e}") from None
+    ids = tuple(dict.fromkeys(cfg.eos_token_ids + _token_ids(gen.get("eos_token_id"))))
+    return replace(cfg, eos_token_ids=ids)
+
+
 def load_config(path: str | Path) -> ModelConfig:
-    return ModelConfig.from_hf(_read_config(Path(path)))
+    path = Path(path)
+    return _with_generation_eos(ModelConfig.from_hf(_read_config(path)), path)
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> Transformer:
     """Build a Transformer from a Hugging Face folder (config.json + single or sharded safetensors)."""
     path = Path(path)
-    cfg = ModelConfig.from_hf(_read_config(path))
+    cfg = load_config(path)
     state = _read_weights(_weight_files(path))
     # HF names: model.layers.0.self_attn.q_proj.weight …; ours drop the "model." prefix.
     ours = fuse_projections({k.removeprefix("model."): v for k, v in state.items()})

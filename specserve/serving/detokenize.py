@@ -56,7 +56,7 @@ class ResponseMeta:
     engine request id it needs to cancel the request when the client has gone."""
     request_id: str
     num_input_tokens: int
-    num_output_tokens: int
+    num_output_tokens: int             # output tokens of this response (schema.NUM_OUTPUT_TOKENS)
     finish_reason: str = ""            # "" until the final response
     spec_stats: dict = field(default_factory=dict)
     # Why the engine ended the request early; postprocess answers the client with this error.

@@ -29,6 +29,7 @@ SAMPLING_KEYS: dict[str, str] = {
     "seed": _INT,
     "stop": "a string or a list of strings",
     "ignore_eos": _BOOL,
+    "stop_token_ids": "a list of integers",
     "spec_method": "a string",
     "num_draft_tokens": _INT,
     "spec_threshold": _NUM,
@@ -129,6 +130,8 @@ def _check_type(key: str, value: Any) -> Any:
             raise BadRequest(f"sampling_parameters.spec_fallback must name a method other than "
                              f"{' / '.join(guarded)}, got {json.dumps(value)}")
     if key in ("spec_method", "draft_policy", "spec_fallback") and isinstance(value, str):
+        return value
+    if kind == "a list of integers" and isinstance(value, list) and all(_is_int(t) for t in value):
         return value
     if kind == "a list of strings" and isinstance(value, list) and all(isinstance(s, str) for s in value):
         return value

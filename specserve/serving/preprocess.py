@@ -40,6 +40,15 @@ def max_prompt_bytes(tokenizer, max_model_len: int) -> int:
     return max_model_len * longest * slack
 
 
+def check_return_flags(flags: dict[str, bool | None]) -> None:
+    """Refuse the additional outputs we cannot give (log-probabilities) rather than ignore them."""
+    from specserve.serving.schema import UNSUPPORTED_RETURN_FLAGS
+
+    asked = [spec.name for spec in UNSUPPORTED_RETURN_FLAGS if flags.get(spec.name)]
+    if asked:
+        raise BadRequest(f"{', '.join(asked)}: specserve does not compute log-probabilities")
+
+
 class Preprocessor:
     def __init__(self, checkpoint: str | Path, tier: "Tier | str" = "default", *, max_model_len: int | None = None,
                  internal_key: str = "", gate: "TextGate | None" = None):
@@ -55,9 +64,11 @@ class Preprocessor:
         self.gate = gate
 
     def __call__(self, text: str | bytes | None, stream: bool | None, sampling_parameters: str | bytes | None,
-                 exclude_input_in_output: bool | None) -> Prepared:
+                 exclude_input_in_output: bool | None, return_flags: dict[str, bool | None] | None = None) -> Prepared:
+        """`return_flags`: the vLLM backend's return_* inputs the request set (schema.RETURN_FLAGS)."""
         if text is None:
             raise BadRequest("missing required input 'text_input'")
+        check_return_flags(return_flags or {})
         size = len(text) if isinstance(text, bytes) else len(text.encode("utf-8", "surrogatepass"))
         if self.max_bytes is not None and size > self.max_bytes:
             raise BadRequest(f"text_input is {size} bytes, more than any prompt that fits the model length "

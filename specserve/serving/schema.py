@@ -58,11 +58,25 @@ EXCLUDE_INPUT_IN_OUTPUT = TensorSpec("exclude_input_in_output", "BOOL", (1,), op
 
 TEXT_OUTPUT = TensorSpec("text_output", "STRING", (1,))
 NUM_INPUT_TOKENS = TensorSpec("num_input_tokens", "UINT32", (1,))
+# As the vLLM backend counts it: the output tokens of THIS response (streaming: the tokens it adds;
+# otherwise all of them), so a client sums them.
 NUM_OUTPUT_TOKENS = TensorSpec("num_output_tokens", "UINT32", (1,))
 FINISH_REASON = TensorSpec("finish_reason", "STRING", (1,))   # "" until the final response
 SPEC_STATS = TensorSpec("spec_stats", "STRING", (1,))         # JSON, cumulative for the request
 
-ENSEMBLE_INPUTS = (TEXT_INPUT, STREAM, SAMPLING_PARAMETERS, EXCLUDE_INPUT_IN_OUTPUT)
+# The vLLM backend's optional "additional outputs" switches, which Triton's OpenAI frontend
+# sends. We always send finish_reason, num_input_tokens and num_output_tokens, so asking for them
+# is accepted; we compute no log-probabilities, so asking for those is refused (preprocess.py).
+RETURN_FINISH_REASON = TensorSpec("return_finish_reason", "BOOL", (1,), optional=True)
+RETURN_CUMULATIVE_LOGPROB = TensorSpec("return_cumulative_logprob", "BOOL", (1,), optional=True)
+RETURN_LOGPROBS = TensorSpec("return_logprobs", "BOOL", (1,), optional=True)
+RETURN_NUM_INPUT_TOKENS = TensorSpec("return_num_input_tokens", "BOOL", (1,), optional=True)
+RETURN_NUM_OUTPUT_TOKENS = TensorSpec("return_num_output_tokens", "BOOL", (1,), optional=True)
+RETURN_FLAGS = (RETURN_FINISH_REASON, RETURN_CUMULATIVE_LOGPROB, RETURN_LOGPROBS, RETURN_NUM_INPUT_TOKENS,
+                RETURN_NUM_OUTPUT_TOKENS)
+UNSUPPORTED_RETURN_FLAGS = (RETURN_CUMULATIVE_LOGPROB, RETURN_LOGPROBS)
+
+ENSEMBLE_INPUTS = (TEXT_INPUT, STREAM, SAMPLING_PARAMETERS, EXCLUDE_INPUT_IN_OUTPUT, *RETURN_FLAGS)
 ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, NUM_INPUT_TOKENS, NUM_OUTPUT_TOKENS, FINISH_REASON, SPEC_STATS)
 
 # -- internal tensors ------------------------------------------------------------------------------

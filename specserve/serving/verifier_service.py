@@ -125,7 +125,8 @@ class VerifierService:
     def submit(self, prompt_ids: list[int], config: RequestConfig, sender: Sender) -> str:
         """Queue a request; raises RequestRejected (a ValueError) with a client-facing message."""
         try:
-            params = SamplingParams(**{**config.sampling, "stop": tuple(config.sampling.get("stop", ()))})
+            params = SamplingParams(**{**config.sampling, "stop": tuple(config.sampling.get("stop", ())),
+                                       "stop_token_ids": tuple(config.sampling.get("stop_token_ids", ()))})
         except TypeError as e:  # a direct caller of target_verifier skipped preprocess's checks
             raise RequestRejected(f"bad sampling parameters: {e}") from None
         rid = f"{self._prefix}-{next(self._ids)}"
@@ -215,8 +216,11 @@ class VerifierService:
         if not (s.config.stream or out.finished):
             return
         window = make_window(s.tokens, s.num_sent, flush=out.finished)
+        # The output tokens this response carries (the vLLM backend's num_output_tokens), not
+        # counting prompt tokens it repeats (include_prompt).
+        num_new = len(s.tokens) - max(s.num_sent, s.num_prompt)
         s.num_sent = len(s.tokens)
-        meta = ResponseMeta(s.request_id, out.num_prompt_tokens, out.num_output_tokens, out.finish_reason or "",
+        meta = ResponseMeta(s.request_id, out.num_prompt_tokens, num_new, out.finish_reason or "",
                             _spec_stats(s, out))
         response = VerifierResponse(window, meta, final=out.finished)
         if out.finished:
@@ -241,7 +245,8 @@ class VerifierService:
 
     @staticmethod
     def _end_with_error(s: _Stream, message: str, reason: str, stats: dict) -> None:
-        meta = ResponseMeta(s.request_id, s.num_prompt, len(s.tokens) - s.num_prompt, reason, stats, error=message)
+        meta = ResponseMeta(s.request_id, s.num_prompt, len(s.tokens) - max(s.num_sent, s.num_prompt), reason,
+                            stats, error=message)
         s.final(s.sender.send, VerifierResponse(make_window(s.tokens, s.num_sent, flush=True), meta, final=True))
 
     # -- cancellation ----------------------------------------------------------------------------

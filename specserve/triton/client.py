@@ -32,8 +32,10 @@ class Completion:
 
 
 def build_inputs(prompt: str | bytes | None, sampling: dict | str | None = None, *,
-                 stream: bool | None = True, exclude_input_in_output: bool | None = None):
-    """InferInputs for `llm`; None leaves an input out (they are optional except text_input)."""
+                 stream: bool | None = True, exclude_input_in_output: bool | None = None,
+                 return_flags: dict[str, bool] | None = None):
+    """InferInputs for `llm`; None leaves an input out (they are optional except text_input).
+    `return_flags`: the vLLM backend's return_* inputs by name (schema.RETURN_FLAGS)."""
     import tritonclient.grpc as grpcclient
 
     def tensor(spec: schema.TensorSpec, value):
@@ -48,7 +50,33 @@ def build_inputs(prompt: str | bytes | None, sampling: dict | str | None = None,
     values = {schema.TEXT_INPUT: prompt.encode() if isinstance(prompt, str) else prompt,
               schema.STREAM: stream, schema.SAMPLING_PARAMETERS: sampling,
               schema.EXCLUDE_INPUT_IN_OUTPUT: exclude_input_in_output}
+    flags = return_flags or {}
+    values.update({spec: flags.get(spec.name) for spec in schema.RETURN_FLAGS})
     return [tensor(spec, v) for spec, v in values.items() if v is not None]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One response of `llm`: its text and counters (num_output_tokens: this response's)."""
+    text: str
+    finish_reason: str                # "" until the final response
+    num_input_tokens: int
+    num_output_tokens: int
+    spec_stats: dict
+
+
+def read_response(result) -> Piece | None:
+    """An InferResult of `llm` → its Piece; None for the empty final response."""
+    text = result.as_numpy(schema.TEXT_OUTPUT.name)
+    if text is None:
+        return None
+
+    def scalar(spec: schema.TensorSpec):
+        return result.as_numpy(spec.name).reshape(-1)[0]
+
+    return Piece(text.reshape(-1)[0].decode("utf-8"), scalar(schema.FINISH_REASON).decode(),
+                 int(scalar(schema.NUM_INPUT_TOKENS)), int(scalar(schema.NUM_OUTPUT_TOKENS)),
+                 json.loads(scalar(schema.SPEC_STATS)))
 
 
 class StreamClient:
@@ -83,18 +111,18 @@ class StreamClient:
                 raise CompletionError(str(error.message() if hasattr(error, "message") else error))
             if not out.first_response_s:
                 out.first_response_s = time.monotonic() - start
-            text = result.as_numpy(schema.TEXT_OUTPUT.name)
-            if text is not None:
-                piece = text.reshape(-1)[0].decode("utf-8")
-                if piece and not out.ttft_s:
+            piece = read_response(result)
+            if piece is not None:
+                if piece.text and not out.ttft_s:
                     out.ttft_s = time.monotonic() - start
-                out.chunks.append(piece)
+                out.chunks.append(piece.text)
                 if on_chunk is not None:
-                    on_chunk(piece)
-                out.finish_reason = result.as_numpy(schema.FINISH_REASON.name).reshape(-1)[0].decode()
-                out.num_input_tokens = int(result.as_numpy(schema.NUM_INPUT_TOKENS.name).reshape(-1)[0])
-                out.num_output_tokens = int(result.as_numpy(schema.NUM_OUTPUT_TOKENS.name).reshape(-1)[0])
-                out.spec_stats = json.loads(result.as_numpy(schema.SPEC_STATS.name).reshape(-1)[0])
+                    on_chunk(piece.text)
+                out.finish_reason = piece.finish_reason
+                out.num_input_tokens = piece.num_input_tokens
+                # Per response, as the vLLM backend counts them: the total is their sum.
+                out.num_output_tokens += piece.num_output_tokens
+                out.spec_stats = piece.spec_stats
             if result.get_response().parameters["triton_final_response"].bool_param:
                 out.text = "".join(out.chunks)
                 out.total_s = time.monotonic() - start

@@ -37,7 +37,8 @@ class TritonPythonModel:
                 out = self.pre(pb.input_scalar(request, schema.TEXT_INPUT),
                                pb.input_scalar(request, schema.STREAM),
                                pb.input_scalar(request, schema.SAMPLING_PARAMETERS),
-                               pb.input_scalar(request, schema.EXCLUDE_INPUT_IN_OUTPUT))
+                               pb.input_scalar(request, schema.EXCLUDE_INPUT_IN_OUTPUT),
+                               {spec.name: pb.input_scalar(request, spec) for spec in schema.RETURN_FLAGS})
                 responses.append(pb.response({schema.INPUT_IDS: out.input_ids,
                                               schema.REQUEST_CONFIG: out.config_json,
                                               schema.SIGNATURE: out.signature}))

@@ -68,9 +68,9 @@ class StreamDriver:
                     break
                 text = result.as_numpy(schema.TEXT_OUTPUT.name)
                 if text is not None:
-                    n_out = int(result.as_numpy(schema.NUM_OUTPUT_TOKENS.name).reshape(-1)[0])
-                    rec.chunks.append(Chunk(t, n_out - rec.num_output_tokens))
-                    rec.num_output_tokens = n_out
+                    n_new = int(result.as_numpy(schema.NUM_OUTPUT_TOKENS.name).reshape(-1)[0])  # this response's
+                    rec.chunks.append(Chunk(t, n_new))
+                    rec.num_output_tokens += n_new
                     rec.num_input_tokens = int(result.as_numpy(schema.NUM_INPUT_TOKENS.name).reshape(-1)[0])
                     rec.finish_reason = result.as_numpy(schema.FINISH_REASON.name).reshape(-1)[0].decode()
                     rec.spec_stats = json.loads(result.as_numpy(schema.SPEC_STATS.name).reshape(-1)[0])

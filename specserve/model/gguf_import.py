@@ -1,0 +1,153 @@
+"""A GGUF file → a Hugging Face checkpoint folder that `specserve serve` takes.
+
+Reading and dequantizing are the maintained libraries' work: `gguf`'s reader for the metadata,
+transformers' GGUF loading (`from_pretrained(..., gguf_file=...)`, which dequantizes with `gguf`)
+for the weights and the tokenizer. This module checks first what it can import and names what it
+cannot (an architecture we do not serve, a quantization type `gguf` cannot dequantize), then writes
+config.json, model.safetensors in the dtype asked for, tokenizer.json, tokenizer_config.json (with
+the chat template) and generation_config.json (with the end-of-turn ids).
+
+The weights are dequantized: the folder serves the GGUF's values exactly, at full precision
+(float32) or rounded once to bfloat16.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+# GGUF's general.architecture values we serve (Mistral GGUFs say "llama"; Qwen2's say "qwen2").
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+DTYPES = ("float32", "bfloat16")
+
+
+class GGUFImportError(ValueError):
+    """The GGUF file cannot be imported; the message names what is unsupported or missing."""
+
+
+@dataclass(frozen=True)
+class GGUFSummary:
+    architecture: str
+    tensor_types: dict[str, int]            # GGML type name → how many tensors have it
+    undequantizable: tuple[str, ...]        # the type names `gguf` cannot dequantize
+    chat_template: str | None
+    end_ids: tuple[int, ...]                # eos and eot ids, the tokens that end a turn
+
+
+def _field(reader, key: str):
+    """A scalar or string metadata value, or None when the key is absent."""
+    f = reader.fields.get(key)
+    return None if f is None else f.contents()
+
+
+def _can_dequantize(tensor) -> bool:
+    """Whether `gguf` dequantizes this tensor's type: tried on its first block (cheap)."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType(tensor.tensor_type)
+    if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return True
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    block = np.ascontiguousarray(np.asarray(tensor.data).view(np.uint8).reshape(-1)[:type_size])
+    try:
+        dequantize(block, qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def inspect_gguf(path: str | Path) -> GGUFSummary:
+    """What import_gguf needs to know before loading the weights."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    path = Path(path)
+    if not path.is_file():
+        raise GGUFImportError(f"{path} does not exist")
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, OSError) as e:  # gguf raises ValueError for a file without the GGUF magic
+        raise GGUFImportError(f"{path} is not a readable GGUF file: {e}") from None
+    arch = _field(reader, "general.architecture")
+    types: Counter[str] = Counter()
+    first_of_type = {}
+    for t in reader.tensors:
+        name = GGMLQuantizationType(t.tensor_type).name
+        types[name] += 1
+        first_of_type.setdefault(name, t)
+    bad = tuple(sorted(n for n, t in first_of_type.items() if not _can_dequantize(t)))
+    ends = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
+    return GGUFSummary(architecture=str(arch), tensor_types=dict(types), undequantizable=bad,
+                       chat_template=_field(reader, "tokenizer.chat_template"),
+                       end_ids=tuple(dict.fromkeys(int(i) for i in ends if i is not None)))
+
+
+def check_importable(summary: GGUFSummary, path: Path) -> None:
+    if summary.architecture not in SUPPORTED_ARCHITECTURES:
+        raise GGUFImportError(f"{path}: unsupported architecture {summary.architecture!r}; "
+                              f"specserve imports {', '.join(SUPPORTED_ARCHITECTURES)} GGUF files")
+    if summary.undequantizable:
+        raise GGUFImportError(f"{path}: unsupported quantization type(s) {', '.join(summary.undequantizable)} "
+                              f"(the gguf package cannot dequantize them)")
+
+
+def import_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float32") -> Path:
+    """Write the checkpoint folder `out_dir` from `gguf_file`; returns out_dir."""
+    import torch
+    import transformers
+
+    if dtype not in DTYPES:
+        raise GGUFImportError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    gguf_file, out = Path(gguf_file).resolve(), Path(out_dir)
+    summary = inspect_gguf(gguf_file)
+    check_importable(summary, gguf_file)
+    where = dict(pretrained_model_name_or_path=str(gguf_file.parent), gguf_file=gguf_file.name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(**where)
+    if summary.chat_template and not tokenizer.chat_template:
+        tokenizer.chat_template = summary.chat_template
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        **where, dtype=torch.float32, quantization_config=transformers.GgufConfig(dequantize=True))
+    model = _plain_copy(loaded, getattr(torch, dtype))
+    if summary.end_ids:
+        # The turn ends on eos or on the end-of-turn token (ChatML's <|im_end|>, Llama 3's <|eot_id|>).
+        model.generation_config.eos_token_id = list(summary.end_ids)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    _save_tokenizer(tokenizer, out)
+    return out
+
+
+def _plain_copy(loaded, dtype):
+    """The dequantized model without its GGUF quantization config, which transformers refuses to
+    save: the same weights in a model built from the bare config (on "meta", so nothing is
+    initialised twice), cast to `dtype`."""
+    import copy
+
+    import torch
+
+    config = copy.deepcopy(loaded.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = dtype
+    with torch.device("meta"):
+        model = type(loaded)(config)
+    model.load_state_dict(loaded.state_dict(), assign=True)
+    model.tie_weights()
+    model.generation_config = copy.deepcopy(loaded.generation_config)
+    return model.to(dtype).eval()
+
+
+def _save_tokenizer(tokenizer, out: Path) -> None:
+    """tokenizer.json and tokenizer_config.json, the chat template inside the latter (where every
+    transformers version reads it), not in a separate chat_template.jinja."""
+    tokenizer.save_pretrained(str(out))
+    cfg_file = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    jinja = out / "chat_template.jinja"
+    if tokenizer.chat_template:
+        cfg["chat_template"] = tokenizer.chat_template
+        jinja.unlink(missing_ok=True)
+    cfg_file.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")

