@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from specserve.model.tokenizer import load_tokenizer, make_decode
+from specserve.serving import fault_injection
 
 log = logging.getLogger("specserve.factory")
 
@@ -293,6 +294,7 @@ def build_engine(settings: EngineSettings):
         folder = dict(settings.drafters).get(base)
         if folder:
             proposers[method] = _static(method, folder, model, settings, max_len, proposers.get(base))
+    fault_injection.inject(proposers)   # a no-op unless a test asks for it
     engine = Engine(model, config, proposers, detokenize=make_decode(tokenizer))
     if model.device.type == "cuda":  # capture the static-step graphs now, not on a request's path
         for proposer in engine.proposers.values():
