@@ -106,21 +106,21 @@ def grid(max_num_seqs: int, max_draft_len: int) -> tuple[tuple[int, ...], tuple[
 def profile(verify: Callable[[int, int], None], batch_sizes: Sequence[int], widths: Sequence[int],
             reps: int = 3, clock: Callable[[], float] = time.perf_counter) -> CostTable:
     """`verify(B, T)` runs one verify forward of B rows × T tokens; each grid point is timed
-    `reps` times after a warm-up, keeping the fastest (the least disturbed by other work). A
+    `reps` times after a warm-up, keeping the fastest (the least disturbed by other work). The
+    reps run in rounds over the whole grid, so a neighbour busy for part of the profile disturbs
+    every point's worst time, not all times of a few points (which skewed the table's shape). A
     forward never costs less with more rows or tokens, so the table is made monotone in both
     (a point that measured low by noise is lifted to its smaller neighbour)."""
-    seconds = []
-    for b in batch_sizes:
-        row = []
-        for t in widths:
+    points = [(b, t) for b in batch_sizes for t in widths]
+    for b, t in points:
+        verify(b, t)
+    best = {p: float("inf") for p in points}
+    for _ in range(reps):
+        for b, t in points:
+            t0 = clock()
             verify(b, t)
-            best = float("inf")
-            for _ in range(reps):
-                t0 = clock()
-                verify(b, t)
-                best = min(best, clock() - t0)
-            row.append(best)
-        seconds.append(row)
+            best[b, t] = min(best[b, t], clock() - t0)
+    seconds = [[best[b, t] for t in widths] for b in batch_sizes]
     for i, row in enumerate(seconds):
         for j in range(len(row)):
             row[j] = max([row[j]] + ([row[j - 1]] if j else []) + ([seconds[i - 1][j]] if i else []))
@@ -276,7 +276,8 @@ class ProposerEstimate:
 class _Proposer:
     acceptance: AcceptanceModel
     cost: DraftCost = field(default_factory=DraftCost)
-    start_fit: tuple[float, float] | None = None   # D's (a, b) when the window first filled
+    start_fit: tuple[float, float] | None = None   # D's (a, b) over the first COST_WINDOW calls
+    started: bool = False                          # start_fit is final (the window filled once)
     gain: float = 0.0
 
 
@@ -344,8 +345,8 @@ class DraftPolicy:
         for name, positions, s in self._pending:
             p = self._get(name)
             p.cost.update(positions, s / slowdown)
-            if p.start_fit is None and p.cost.full:
-                p.start_fit = p.cost.fit()
+            if not p.started:   # the start is the proposer's first COST_WINDOW calls
+                p.start_fit, p.started = p.cost.fit(), p.cost.full
         self._pending = []
 
     def accepted(self, name: str, drafted: Sequence[int], accepted: Sequence[int], caps: Sequence[int]) -> None:
