@@ -313,13 +313,13 @@ class DraftPolicy:
         choice = choose(self.table, batch, rows(adaptive), rows(fixed), lambda w: sum(c.seconds(w) for c in costs))
         for n, _ in adaptive:
             self._get(n).gain = choice.gain
+        self._probing = False
         if not choice.drafting_k:    # no adaptive row may draft this step: nothing to decide
             return Decision(0, 0.0)
         if self.on and choice.gain < 1.0:
             self.on, self._off_steps = False, 0
         elif not self.on and choice.gain > 1.0 + HYSTERESIS:
             self.on = True
-        self._probing = False
         if self.on:
             return Decision(choice.drafting_k, choice.gain)
         self._off_steps += 1
