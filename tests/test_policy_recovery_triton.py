@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from specserve.core.draft_policy import RECOVERY_STEPS
+from specserve.core.draft_policy import HYSTERESIS, RECOVERY_STEPS
 from specserve.serving.fault_injection import FAULT_FILE_ENV
 from specserve.triton import drafters
 from specserve.triton.client import StreamClient
@@ -71,13 +71,13 @@ def gen(srv, prompt, method="eagle", max_tokens=96):
 
 def drafts_again(srv, prompt, want: str, warm: dict) -> None:
     """A c = 1 request after the fault drafts again. Within the stated bound where the warm
-    request showed that drafting pays on this machine now (never off): whether it does depends on
-    the machine's load, which a test must not assume."""
+    request's estimates showed a gain above the hysteresis band (the bound's proviso): whether
+    drafting pays on this machine now depends on its load, which a test must not assume."""
     after = gen(srv, prompt)
     assert after.text == want
     st = after.spec_stats
     assert st["draft_tokens"] > 0 and st["policy"]["probe_steps"] + st["steps"] - st["policy"]["off_steps"] > 0, st
-    if warm["policy"]["off_steps"] == 0:
+    if warm["policy"]["off_steps"] == 0 and warm["policy"]["last"]["estimated_gain"] > 1 + HYSTERESIS:
         assert st["policy"]["off_steps"] <= RECOVERY_STEPS and st["policy"]["last"]["k"] > 0, (warm, st)
 
 

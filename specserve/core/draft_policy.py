@@ -37,7 +37,7 @@ called again, so that verdict would be permanent. Hence:
    promise: never slower than plain), and back on only when drafting is expected to beat it by
    more than HYSTERESIS.
 4. It keeps learning while off: every PROBE_EVERY-th step that it decides k = 0 it drafts anyway
-   at the best k ≥ 1 (a probe; at most 1 step in PROBE_EVERY while off), as long as the verify
+   at the rows' own cap (a probe; at most 1 step in PROBE_EVERY while off), as long as the verify
    table alone leaves room for a gain (free drafting, prior acceptance) — where it does not, no
    measurement could change the decision and no probe is spent. A probe's acceptance counts
    PROBE_EVERY times (it stands for the steps it samples), so the estimates follow a drafter
@@ -46,7 +46,8 @@ called again, so that verdict would be permanent. Hence:
 Recovery bound (pinned by tests/test_draft_policy.py): once the drafter's calls are back to what
 they cost before, drafting resumes after at most RECOVERY_STEPS = PROBE_EVERY × (COST_WINDOW // 2
 + 1) decision steps (that many probes replace the median of the window), provided the estimates
-from before the slowdown showed a gain above HYSTERESIS. A drafter that failed instead (unloaded,
+from before the slowdown showed a gain above HYSTERESIS and the calls had one width (the cap; a
+window mixing widths fits a slope across slow and fast calls, which can take longer). A drafter that failed instead (unloaded,
 raising) never changed the estimates, so it drafts again on its first successful call.
 
 k = 0 (plain decoding) is always a candidate and its estimate is a measured plain step, so the
@@ -324,7 +325,10 @@ class DraftPolicy:
             return Decision(choice.drafting_k, choice.gain)
         self._off_steps += 1
         self._probing = self._off_steps % PROBE_EVERY == 0 and self._may_pay(batch, adaptive, fixed)
-        return Decision(choice.drafting_k if self._probing else 0, choice.gain, self._probing)
+        # A probe drafts at the rows' own cap: it observes every position, and its calls have the
+        # width of the calls before (one width: the window's median is what the bound counts on).
+        cap = max(c for _, c in adaptive)
+        return Decision(cap if self._probing else 0, choice.gain, self._probing)
 
     def _may_pay(self, batch: int, adaptive: Sequence[tuple[str, int]], fixed: Sequence[tuple[str, int]]) -> bool:
         """Could drafting beat plain here on the verify table alone (free drafting, prior acceptance)?"""
