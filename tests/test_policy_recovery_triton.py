@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from specserve.core.draft_policy import HYSTERESIS, RECOVERY_STEPS
+from specserve.core.draft_policy import HYSTERESIS
 from specserve.serving.fault_injection import FAULT_FILE_ENV
 from specserve.triton import drafters
 from specserve.triton.client import StreamClient
@@ -70,15 +70,17 @@ def gen(srv, prompt, method="eagle", max_tokens=96):
 
 
 def drafts_again(srv, prompt, want: str, warm: dict) -> None:
-    """A c = 1 request after the fault drafts again. Within the stated bound where the warm
-    request's estimates showed a gain above the hysteresis band (the bound's proviso): whether
-    drafting pays on this machine now depends on its load, which a test must not assume."""
+    """A c = 1 request after the fault drafts again: probes at least, and back on (steps drafted
+    that were not probes) where the warm request's estimates showed a gain above the hysteresis
+    band — whether drafting pays on this machine now depends on its load, which a test must not
+    assume. The bound in steps is pinned in process (tests/test_draft_policy.py): here, on a busy
+    machine, the gain after the fault may sit in the band for a while."""
     after = gen(srv, prompt)
     assert after.text == want
     st = after.spec_stats
     assert st["draft_tokens"] > 0 and st["policy"]["probe_steps"] + st["steps"] - st["policy"]["off_steps"] > 0, st
     if warm["policy"]["off_steps"] == 0 and warm["policy"]["last"]["estimated_gain"] > 1 + HYSTERESIS:
-        assert st["policy"]["off_steps"] <= RECOVERY_STEPS and st["policy"]["last"]["k"] > 0, (warm, st)
+        assert st["drafts"] > st["policy"]["probe_steps"], (warm, st)
 
 
 def test_fused_drafts_again_after_a_contended_phase_and_after_it_raised(fused):
