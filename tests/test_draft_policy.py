@@ -4,6 +4,8 @@ is not."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from conftest import make_tiny_checkpoint
@@ -142,3 +144,197 @@ def test_adaptive_policy_is_lossless_and_follows_the_cost_table(target):
         assert cheap[rid].new_token_ids == out.new_token_ids == dear[rid].new_token_ids
     assert sum(o.stats.draft_tokens for o in cheap.values()) > 0
     assert sum(o.stats.draft_tokens for o in dear.values()) == 0     # never worth it: plain decoding
+
+
+# -- issue 25: the policy keeps learning while off, on noise-robust, same-condition costs ----------
+from specserve.core.draft_policy import (COST_WINDOW, HYSTERESIS, PROBE_EVERY, RECOVERY_STEPS,  # noqa: E402
+                                         DraftPolicy)
+from specserve.core.proposer import Draft, ProposerError  # noqa: E402
+
+
+def simulate(policy: DraftPolicy, draft_seconds, steps: int, accept: int = 8, slowdown: float = 1.0):
+    """`steps` single-row steps of a proposer drafting whatever the policy allows, each call
+    costing draft_seconds(step) and each verify the table's cost × slowdown; the row accepts up to
+    `accept` tokens. Returns each step's Decision."""
+    out = []
+    for i in range(steps):
+        d = policy.decide(1, [("p", 8)], [])
+        if d.k:
+            policy.drafted("p", d.k, draft_seconds(i) * slowdown)
+        policy.verified(1, 1 + d.k, TABLE.cost(1, 1 + d.k) * slowdown)
+        if d.k:
+            policy.accepted("p", [d.k], [min(accept, d.k)], [d.k])
+        out.append(d)
+    return out
+
+
+def test_one_slow_call_does_not_flip_the_policy_a_burst_does_and_it_comes_back_within_the_bound():
+    policy = DraftPolicy(TABLE, 8)
+    assert all(d.k == 8 for d in simulate(policy, lambda i: 0.001, 20))
+    # One call 100× dearer (a noisy neighbour for a moment): the median of the window ignores it.
+    assert all(d.k == 8 for d in simulate(policy, lambda i: 0.1 if i == 0 else 0.001, 10))
+    # A burst: every call 200 ms against a 10 ms plain step. Off once most of the window is slow.
+    burst = simulate(policy, lambda i: 0.2, 60)
+    first_off = next(i for i, d in enumerate(burst) if d.k == 0)
+    assert first_off == COST_WINDOW // 2 + 1 and not policy.on
+    off = burst[first_off:]
+    # While off it still drafts now and then, at most one step in PROBE_EVERY (probes).
+    probes = [i for i, d in enumerate(off) if d.k]
+    assert all(off[i].probe for i in probes) and len(probes) == len(off) // PROBE_EVERY
+    assert policy.estimates()["p"].draft_cost_vs_start > 50      # visible: drafting looks 200× dearer
+    # The burst ends: back on within the stated bound, and it stays on.
+    after = simulate(policy, lambda i: 0.001, RECOVERY_STEPS + 20)
+    back = next(i for i, d in enumerate(after) if d.k and not d.probe)
+    assert back < RECOVERY_STEPS and all(d.k == 8 and not d.probe for d in after[back:])
+    assert policy.estimates()["p"].draft_cost_vs_start == pytest.approx(1.0)
+
+
+def test_contention_that_slows_verify_and_drafter_alike_changes_nothing():
+    """Costs are compared in the same conditions: a drafter call half a plain step long stays
+    half a step long when a neighbour makes everything 20× slower."""
+    policy = DraftPolicy(TABLE, 8)
+    simulate(policy, lambda i: 0.005, 20, accept=3)
+    busy = simulate(policy, lambda i: 0.005, 40, accept=3, slowdown=20.0)
+    assert all(d.k > 0 and not d.probe for d in busy) and policy.on
+    assert policy.verify_slowdown == pytest.approx(20.0)
+
+
+def test_hysteresis_holds_the_state_inside_the_band():
+    policy = DraftPolicy(CostTable((1,), (1, 9), ((0.010, 0.010),)), 8)
+    # Acceptance none at all: k ≥ 1 only costs the drafting → off; the band keeps it off at a 5 % gain.
+    simulate(policy, lambda i: 0.001, 400, accept=0)
+    assert not policy.on
+    m = policy.acceptance("p")
+    m.at_least = [0.08] + [0.0] * 7   # 1.08 tokens per 10.1 ms vs 1 per 10 ms: 7 % faster
+    d = policy.decide(1, [("p", 8)], [])
+    assert 1.0 < d.gain < 1.0 + HYSTERESIS and not policy.on
+
+
+def test_probes_are_not_spent_where_the_verify_table_alone_rules_drafting_out():
+    steep = CostTable((1,), (1, 9), ((0.01, 0.09),))       # every drafted token costs a full step
+    policy = DraftPolicy(steep, 8)
+    assert all(d.k == 0 and not d.probe for d in simulate(policy, lambda i: 0.0, 5 * PROBE_EVERY))
+
+
+# In process through the engine, with the cost clock injected: the target's forwards and the
+# drafter's calls advance it by scripted amounts, so nothing depends on this machine's load.
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class TimedTarget:
+    """The target model, each forward charged to the clock at TABLE's cost × slowdown."""
+
+    def __init__(self, model, clock: Clock):
+        self._model, self._clock, self.slowdown = model, clock, 1.0
+
+    def forward(self, batch, cache, **kw):
+        b, t = batch.tokens.shape
+        self._clock.t += TABLE.cost(b, t) * self.slowdown
+        return self._model.forward(batch, cache, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+class OracleDrafter:
+    """Drafts the target's own greedy continuation (known from a plain run); each call costs
+    `seconds` on the clock, or raises `error` when set."""
+    name, needs_features = "oracle", False
+
+    def __init__(self, want: list[int], clock: Clock):
+        self.want, self._clock, self.seconds, self.error = want, clock, 0.001, None
+
+    def propose(self, requests):
+        if self.error is not None:
+            raise self.error
+        self._clock.t += self.seconds
+        return [Draft.chain(self.want[len(r.token_ids):len(r.token_ids) + r.max_draft_len]) for r in requests]
+
+    def observe(self, outcomes):
+        pass
+
+    def release(self, seq_id):
+        pass
+
+
+PROMPT = [11, 12, 13, 14, 11, 12, 13, 14, 11, 12]
+
+
+def oracle_engine(target):
+    clock = Clock()
+    model = TimedTarget(target, clock)
+    plain = Engine(target, EngineConfig(max_num_seqs=1, max_model_len=512, max_draft_len=8), eos_token_ids=())
+    want = PROMPT + plain.generate([GenerationRequest("p", PROMPT, SamplingParams(max_tokens=480))])["p"].new_token_ids
+    drafter = OracleDrafter(want, clock)
+    engine = Engine(model, EngineConfig(max_num_seqs=1, max_model_len=512, max_draft_len=8, draft_policy="adaptive"),
+                    {"oracle": drafter}, eos_token_ids=(), clock=clock)
+    engine.submit(GenerationRequest("r", PROMPT, SamplingParams(max_tokens=480), "oracle"))
+    engine.want = want
+    return engine, drafter, model
+
+
+def steps(engine, n: int) -> list[int]:
+    """n engine steps → the policy's cap at each; the request keeps running, losslessly."""
+    caps = []
+    for _ in range(n):
+        assert not any(o.finished for o in engine.step())
+        caps.append(engine.last_policy_k)
+    seq = engine._by_id["r"]
+    assert seq.tokens == engine.want[:len(seq.tokens)]    # greedy: exactly the plain output
+    return caps
+
+
+def test_engine_a_burst_of_slow_drafter_calls_turns_drafting_off_and_it_comes_back_within_the_bound(target):
+    engine, drafter, _ = oracle_engine(target)
+    # The profile ran on the injected clock too: the engine measured exactly TABLE's costs.
+    assert engine.cost_table.cost(1, 9) == pytest.approx(TABLE.cost(1, 9))
+    engine.step()   # prefill
+    assert steps(engine, 12) == [8] * 12
+    drafter.seconds = 0.2                         # the burst: a drafter call = 20 plain steps
+    burst = steps(engine, 30)
+    half = COST_WINDOW // 2
+    assert burst[:half + 1] == [8] * (half + 1) and burst[half + 1] == 0   # off once most of the window is slow
+    assert 0 < sum(k > 0 for k in burst[half + 1:]) <= 30 // PROBE_EVERY   # while off: probes only
+    st = engine._by_id["r"].stats
+    assert st.policy_last["draft_cost_vs_start"] > 50 and st.policy_last["estimated_gain"] < 1
+    drafter.seconds = 0.001                       # quiet again
+    after = steps(engine, RECOVERY_STEPS + 5)
+    back = min(i for i in range(len(after)) if all(k == 8 for k in after[i:]))
+    assert back <= RECOVERY_STEPS
+    assert st.policy_off_steps > 0 and 0 < st.policy_probe_steps <= (30 + RECOVERY_STEPS) // PROBE_EVERY
+    assert st.policy_last["k"] == 8 and st.policy_last["estimated_gain"] > 1 + HYSTERESIS
+    assert st.policy_capped_steps >= st.policy_off_steps
+    assert st.to_dict()["policy"] == {"capped_steps": st.policy_capped_steps, "off_steps": st.policy_off_steps,
+                                      "probe_steps": st.policy_probe_steps, "last": st.policy_last}
+
+
+@pytest.mark.parametrize("error", [ProposerError("drafter unloaded"), RuntimeError("a fused drafter raised")])
+def test_engine_drafts_again_at_once_after_the_drafter_failed_for_a_while(target, error):
+    """Failed calls say nothing about acceptance or cost: 150 of them (the acceptance estimates
+    used to decay to 0 from them, switching drafting off for good) change no estimate."""
+    engine, drafter, _ = oracle_engine(target)
+    engine.step()
+    steps(engine, 12)
+    estimates = lambda: dataclasses.replace(engine.policy.estimates()["oracle"], gain=None)  # noqa: E731
+    before = estimates()
+    drafter.error = error
+    assert steps(engine, 150) == [8] * 150
+    assert estimates() == before and engine._by_id["r"].stats.proposer_errors == 150
+    drafter.error = None
+    drafted = engine._by_id["r"].stats.draft_tokens
+    assert steps(engine, 3) == [8] * 3 and engine._by_id["r"].stats.draft_tokens >= drafted + 3
+
+
+def test_engine_contention_on_target_and_drafter_alike_keeps_drafting(target):
+    engine, drafter, model = oracle_engine(target)
+    drafter.seconds = 0.005                       # half a plain step
+    engine.step()
+    steps(engine, 12)
+    model.slowdown, drafter.seconds = 20.0, 0.1   # a neighbour makes everything 20× slower
+    assert steps(engine, 30) == [8] * 30
+    assert engine._by_id["r"].stats.policy_last["verify_slowdown"] == pytest.approx(20.0)

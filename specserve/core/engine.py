@@ -31,7 +31,7 @@ from typing import Callable, Mapping
 import torch
 
 from specserve.core.scheduling import AGING_STEPS, MAX_PRIORITY, PriorityAging
-from specserve.core.draft_policy import POLICIES, AcceptanceModel, DraftCost, choose
+from specserve.core.draft_policy import POLICIES, CostTable, DraftPolicy, grid, profile
 from specserve.core.kv_cache import KVCache
 from specserve.core.forward import ForwardBatch, ForwardOutput, TargetModel
 from specserve.core.masks import build_mask
@@ -99,6 +99,14 @@ class SpecStats:
     # sub-proposer failed and was left out (Draft.sources / Draft.skipped).
     accepted_by_proposer: dict[str, int] = field(default_factory=dict)
     proposer_skipped: dict[str, int] = field(default_factory=dict)
+    # The adaptive draft policy (draft_policy.py) on this request's steps: steps it drafted this
+    # row shorter than its own cap, of which steps with no draft at all (k = 0), steps drafted
+    # while off to keep measuring (probes), and its last decision: the cap, the expected speed of
+    # drafting relative to plain, and the proposer's draft cost relative to its first calls.
+    policy_capped_steps: int = 0
+    policy_off_steps: int = 0
+    policy_probe_steps: int = 0
+    policy_last: dict = field(default_factory=dict)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -134,7 +142,9 @@ class SpecStats:
                 "guard_steps": self.guard_steps, "guard_activations": self.guard_activations,
                 "draft_seconds": round(self.draft_seconds, 6), "verify_seconds": round(self.verify_seconds, 6),
                 "accepted_by_proposer": dict(self.accepted_by_proposer),
-                "proposer_skipped": dict(self.proposer_skipped)}
+                "proposer_skipped": dict(self.proposer_skipped),
+                "policy": {"capped_steps": self.policy_capped_steps, "off_steps": self.policy_off_steps,
+                           "probe_steps": self.policy_probe_steps, "last": dict(self.policy_last)}}
 
 
 @dataclass
@@ -198,6 +208,7 @@ class _Sequence:
     guarded: bool = False
     step_cap: int | None = None       # this step's draft cap from the adaptive policy
     step_room: int = 0                # this step's cap as the proposer saw it (policy statistics)
+    draft_failed: bool = False        # this step's draft failed (it says nothing about acceptance)
     enqueued_step: int = 0            # the engine's step count when it was queued (admission aging)
 
     @property
@@ -223,7 +234,10 @@ class Engine:
     def __init__(self, model: TargetModel, config: EngineConfig,
                  proposers: Mapping[str, AnyProposer] | None = None, *,
                  eos_token_ids: tuple[int, ...] | None = None,
-                 detokenize: Callable[[list[int]], str] | None = None):
+                 detokenize: Callable[[list[int]], str] | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        """`clock`: seconds for the timings the draft policy learns from and spec_stats report
+        (tests inject one that the work advances, so nothing depends on the machine's load)."""
         from specserve.core.plain import NoProposer
 
         self.model, self.cfg = model, config
@@ -263,14 +277,38 @@ class Engine:
         self._ids = itertools.count()
         if config.draft_policy not in POLICIES:
             raise ValueError(f"draft_policy must be one of {', '.join(POLICIES)}, got {config.draft_policy!r}")
-        self.cost_table = None
+        self._clock = clock
+        self.policy: DraftPolicy | None = None     # the adaptive policy, once a row uses it
         if config.draft_policy == "adaptive":
-            from specserve.core.draft_policy import profile_engine_verify
-            self.cost_table = profile_engine_verify(self)
-            log.info("adaptive draft policy: verify cost table (ms) %s", self.cost_table.to_dict())
-        self._draft_cost: dict[str, DraftCost] = {}   # per proposer: seconds of a call vs positions
-        self._acceptance: dict[str, AcceptanceModel] = {}   # per proposer, for the adaptive policy
+            self._start_policy()
         self.last_policy_k: int | None = None      # the adaptive policy's last choice (metrics)
+
+    # -- the adaptive draft policy ---------------------------------------------------------------
+    def _start_policy(self) -> None:
+        """Profile this engine's verify forward on free KV slots and start the policy on it."""
+        self.cost_table = profile(self._profile_verify, *grid(self.cfg.max_num_seqs, self.cfg.max_draft_len),
+                                  clock=self._clock)
+        log.info("adaptive draft policy: verify cost table (ms) %s", self.cost_table.to_dict())
+
+    @property
+    def cost_table(self) -> CostTable | None:
+        return None if self.policy is None else self.policy.table
+
+    @cost_table.setter
+    def cost_table(self, table: CostTable) -> None:
+        self.policy = DraftPolicy(table, self.cfg.max_draft_len)
+
+    @torch.inference_mode()
+    def _profile_verify(self, b: int, t: int) -> None:
+        """One verify forward (target + LM head over every position) of b rows × t tokens after 128
+        committed positions per row, on the first b slots (before any request runs)."""
+        from specserve.core.masks import chain_parents
+
+        context = min(128, max(self.cfg.max_model_len - 1 - self.cfg.max_draft_len, 0))
+        tokens = torch.randint(0, self.model.cfg.vocab_size, (b, t), generator=torch.Generator().manual_seed(b * 31 + t))
+        mask, positions = build_mask([context] * b, [chain_parents(t)] * b, t,
+                                     sliding_window=self.model.cfg.sliding_window)
+        self.model.logits(self._forward(tokens, positions, list(range(b)), [context] * b, mask))
 
     # -- admission ----------------------------------------------------------------------------
     @property
@@ -489,7 +527,8 @@ class Engine:
             if not group:
                 continue
             proposer = group[0].drafting
-            t0 = time.perf_counter()
+            t0 = self._clock()
+            failed = True
             try:
                 got = proposer.propose(requests)
                 if len(got) != len(group):
@@ -507,21 +546,25 @@ class Engine:
                 got = [Draft.empty() for _ in group]
                 for s in group:
                     s.stats.proposer_errors += 1
+                    s.draft_failed = True
             else:
+                failed = False
                 for s in group:
                     s.feature_chunks.pop(name, None)  # delivered
             finally:
-                elapsed = time.perf_counter() - t0
+                elapsed = self._clock() - t0
                 for s in group:
                     s.stats.draft_seconds += elapsed
-                self._draft_cost.setdefault(name, DraftCost()).update(
-                    max((r.max_draft_len for r in requests), default=0), elapsed)
+                # A failed call (a back-off refusal, a time-out) is no measure of drafting's cost.
+                if self.policy is not None and not failed:
+                    self.policy.drafted(name, max(r.max_draft_len for r in requests), elapsed)
             for s, r, d in zip(group, requests, got):
                 problem = _draft_problem(d, self.model.cfg.vocab_size)
                 if problem:
                     log.warning("proposer %s: bad draft for request %s (%s); decoding it plainly",
                                 name, s.req.request_id, problem)
                     s.stats.proposer_errors += 1
+                    s.draft_failed = True
                     d = Draft.empty()
                 drafts[s.seq_id] = _truncate(d, r.max_draft_len)
         return [drafts[s.seq_id] for s in seqs]
@@ -561,38 +604,39 @@ class Engine:
                 s.stats.guard_steps += 1
                 s.stats.guard_activations += not was
 
-    def _acceptance_model(self, name: str) -> AcceptanceModel:
-        if name not in self._acceptance:
-            self._acceptance[name] = AcceptanceModel(self.cfg.max_draft_len)
-        return self._acceptance[name]
-
     def _plan(self, seqs: list[_Sequence]) -> None:
         """Set each adaptive row's draft cap for this step (draft_policy.py)."""
-        adaptive, fixed = [], []
+        adaptive, fixed = [], []   # (row, its own cap)
         for s in seqs:
-            s.step_cap = None
+            s.step_cap, s.draft_failed = None, False
             if s.drafting.name == "none":
                 continue
             cap = self.cfg.max_draft_len if s.req.num_draft_tokens is None else s.req.num_draft_tokens
-            row = (self._acceptance_model(s.drafting.name), cap)
-            (adaptive if (s.req.draft_policy or self.cfg.draft_policy) == "adaptive" else fixed).append(row)
+            (adaptive if (s.req.draft_policy or self.cfg.draft_policy) == "adaptive" else fixed).append((s, cap))
         if not adaptive:
             return
-        if self.cost_table is None:   # a request asked for it on an engine started "fixed"
-            from specserve.core.draft_policy import profile_engine_verify
-            self.cost_table = profile_engine_verify(self)
-        costs = [self._draft_cost[n] for n in {s.drafting.name for s in seqs} if n in self._draft_cost]
-        choice = choose(self.cost_table, len(seqs), adaptive, fixed, lambda w: sum(c.seconds(w) for c in costs))
-        self.last_policy_k = choice.k
-        for s in seqs:
-            if s.drafting.name != "none" and (s.req.draft_policy or self.cfg.draft_policy) == "adaptive":
-                s.step_cap = choice.k
+        if self.policy is None:   # a request asked for it on an engine started "fixed"
+            self._start_policy()
+        named = lambda rows: [(s.drafting.name, cap) for s, cap in rows]  # noqa: E731
+        decision = self.policy.decide(len(seqs), named(adaptive), named(fixed))
+        self.last_policy_k = decision.k
+        estimates = self.policy.estimates()
+        for s, cap in adaptive:
+            s.step_cap = decision.k
+            st = s.stats
+            st.policy_capped_steps += decision.k < cap
+            st.policy_off_steps += decision.k == 0 and cap > 0
+            st.policy_probe_steps += decision.probe
+            est = estimates[s.drafting.name]
+            st.policy_last = {"k": decision.k, "estimated_gain": round(decision.gain, 3),
+                              "draft_cost_vs_start": est.draft_cost_vs_start,
+                              "verify_slowdown": round(self.policy.verify_slowdown, 3)}
 
     def _decode(self, seqs: list[_Sequence]) -> None:
         self._update_guards(seqs)
         self._plan(seqs)
         drafts = self._draft(seqs)
-        t0 = time.perf_counter()
+        t0 = self._clock()
         T = 1 + max(len(d) for d in drafts)
         B = len(seqs)
         tokens = torch.zeros(B, T, dtype=torch.long)
@@ -601,8 +645,11 @@ class Engine:
         starts = [self.cache.lengths[s.slot] for s in seqs]
         parents = [[-1] + [p + 1 for p in d.parents] for d in drafts]
         mask, positions = build_mask(starts, parents, T, sliding_window=self.model.cfg.sliding_window)
+        t_forward = self._clock()
         out = self._forward_all(tokens, positions, [s.slot for s in seqs], starts, mask)
         logits = self.model.logits(out.hidden)  # [B, T, V]
+        if self.policy is not None:   # the forward alone, as the cost table measured it
+            self.policy.verified(B, T, self._clock() - t_forward)
         outcomes: dict[str, list[StepOutcome]] = {}
         observed: dict[str, tuple[list[int], list[int], list[int]]] = {}   # proposer → (drafted, accepted, caps)
         for b, (s, d) in enumerate(zip(seqs, drafts)):
@@ -618,7 +665,7 @@ class Engine:
             s.stats.record(len(d), verdict.num_accepted)
             s.stats.record_sources(d, verdict.accepted_nodes)
             drafter = s.drafting
-            if drafter.name != "none":
+            if drafter.name != "none" and not s.draft_failed:
                 seen = observed.setdefault(drafter.name, ([], [], []))
                 seen[0].append(len(d))
                 seen[1].append(verdict.num_accepted)
@@ -626,13 +673,14 @@ class Engine:
             outcomes.setdefault(drafter.name, []).append(
                 StepOutcome(s.seq_id, len(d), verdict.accepted_nodes, verdict.emitted))
             self._emit(s, verdict.emitted)
-        elapsed = time.perf_counter() - t0
+        elapsed = self._clock() - t0
         for s in seqs:
             s.stats.verify_seconds += elapsed
         for name, outs in outcomes.items():
             self.proposers[name].observe(outs)
-        for name, (drafted, accepted, caps) in observed.items():
-            self._acceptance_model(name).update(drafted, accepted, caps)
+        if self.policy is not None:
+            for name, (drafted, accepted, caps) in observed.items():
+                self.policy.accepted(name, drafted, accepted, caps)
 
     def _decode_static(self, seqs: list[_Sequence]) -> None:
         """Rows whose proposer runs the whole step as one static computation (DSPark): drafting,
@@ -652,9 +700,9 @@ class Engine:
                                       s.req.params, s.generator, _features(s, s.proposer.name),
                                       s.req.spec_threshold))
                 s.feature_chunks.pop(s.proposer.name, None)
-            t0 = time.perf_counter()
+            t0 = self._clock()
             outcomes = group[0].proposer.step(rows)
-            elapsed = time.perf_counter() - t0
+            elapsed = self._clock() - t0
             for s, o in zip(group, outcomes):
                 self.cache.truncate(s.slot, o.new_length)
                 s.stats.verify_seconds += elapsed

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from specserve.methods import registry
 from specserve.model.devices import DTYPES, resolve_device, resolve_drafter_dtype
 from specserve.model.tokenizer import load_tokenizer, make_decode
+from specserve.serving import fault_injection
 
 log = logging.getLogger("specserve.factory")
 
@@ -191,7 +192,9 @@ def build_engine(settings: EngineSettings, remote: "RemoteCalls | None" = None):
     config = EngineConfig(max_num_seqs=settings.max_num_seqs, max_model_len=max_len,
                           max_draft_len=settings.max_draft_len, default_method=settings.default_method,
                           max_queue_len=settings.max_queue_len, draft_policy=settings.draft_policy)
-    engine = Engine(model, config, build_proposers(model, settings, max_len, remote), detokenize=make_decode(tokenizer))
+    proposers = build_proposers(model, settings, max_len, remote)
+    fault_injection.inject(proposers)   # a no-op unless a test asks for it
+    engine = Engine(model, config, proposers, detokenize=make_decode(tokenizer))
     if model.device.type == "cuda":  # capture the static-step graphs now, not on a request's path
         for proposer in engine.proposers.values():
             if proposer.static_step:

@@ -71,6 +71,9 @@ class MetricsSink(Protocol):
     def finished(self, method: str, tier: str, reason: str, num_prompt: int, num_output: int,
                  time_per_output_token: float | None) -> None: ...
     def state(self, running: int, waiting: int, slots_used: int, policy_draft_len: int | None) -> None: ...
+    # Optional (looked up with getattr): accepted_by_proposer(method, tier, counts), and
+    # policy(verify_slowdown, estimates): the adaptive draft policy's verify slowdown and its
+    # draft_policy.ProposerEstimate by proposer name, after every step.
     def rejected(self, reason: str) -> None: ...   # "busy" | "invalid" | "draining"
 
 
@@ -289,6 +292,9 @@ class VerifierService:
         if self.metrics is not None:
             _quietly(self.metrics.state, state.running, state.waiting, self.engine.num_slots_used,
                      self.engine.last_policy_k)
+            policy, report = self.engine.policy, getattr(self.metrics, "policy", None)
+            if policy is not None and report is not None:
+                _quietly(report, policy.verify_slowdown, policy.estimates())
 
     def _report_finish(self, s: _Stream, out: RequestOutput, now: float) -> None:
         if self.metrics is None:

@@ -56,6 +56,22 @@ _GAUGES = {
     "slots_used": ("specserve_num_slots_used", "KV slots allocated."),
     "policy_draft_len": ("specserve_spec_decode_policy_draft_len",
                          "Draft length the adaptive draft policy chose for the last step."),
+    "policy_verify_slowdown": ("specserve_spec_decode_policy_verify_slowdown",
+                               "Recent verify forwards against the adaptive policy's start-up profile "
+                               "(median; 1 = as fast as at start, 3 = three times slower)."),
+}
+# The adaptive draft policy's estimates per proposer (label proposer; draft_policy.ProposerEstimate).
+_POLICY_GAUGES = {
+    "gain": ("specserve_spec_decode_policy_estimated_gain",
+             "Expected speed of drafting relative to plain decoding at the policy's last decision "
+             "(below 1: the policy decodes plainly)."),
+    "draft_ms": ("specserve_spec_decode_policy_draft_cost_ms",
+                 "The proposer's full-width call, in milliseconds of the start-up profile's conditions."),
+    "draft_cost_vs_start": ("specserve_spec_decode_policy_draft_cost_vs_start",
+                            "The proposer's call cost relative to its first calls (3 = drafting looks three "
+                            "times dearer than at start)."),
+    "acceptance_length": ("specserve_spec_decode_policy_expected_acceptance_length",
+                          "Tokens per step the policy expects from the proposer at the full draft length."),
 }
 
 
@@ -69,10 +85,10 @@ class TritonMetrics:
         self._families.update({key: fam(name=name, description=desc, kind=fam.HISTOGRAM)
                                for key, (name, desc, _) in _HISTOGRAMS.items()})
         self._families.update({key: fam(name=name, description=desc, kind=fam.GAUGE)
-                               for key, (name, desc) in _GAUGES.items()})
+                               for key, (name, desc) in (*_GAUGES.items(), *_POLICY_GAUGES.items())})
         self._buckets = {key: b for key, (_, _, b) in _HISTOGRAMS.items()}
         self._metrics: dict[tuple, Any] = {}
-        self._gauges: dict[str, int] = {}   # last value sent per gauge
+        self._gauges: dict[tuple, float] = {}   # last value sent per (gauge, labels)
         self._gauges_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="specserve-metrics", daemon=True)
@@ -109,13 +125,24 @@ class TritonMetrics:
             self._queue.put(("tpot", labels, "observe", time_per_output_token))
 
     def state(self, running: int, waiting: int, slots_used: int, policy_draft_len: int | None) -> None:
-        # Reported after every engine step: only changes go out (each set is an IPC call).
         for key, n in (("running", running), ("waiting", waiting), ("slots_used", slots_used),
                        ("policy_draft_len", policy_draft_len)):
-            with self._gauges_lock:   # the engine thread and submitting threads both report
-                if n is not None and self._gauges.get(key) != n:
-                    self._gauges[key] = n
-                    self._queue.put((key, {}, "set", n))
+            self._set(key, {}, n)
+
+    def policy(self, verify_slowdown: float, estimates: dict[str, Any]) -> None:
+        """The adaptive policy's estimates (draft_policy.DraftPolicy.estimates), after every step."""
+        self._set("policy_verify_slowdown", {}, round(verify_slowdown, 2))
+        for proposer, est in estimates.items():
+            for key in _POLICY_GAUGES:
+                self._set(key, {"proposer": proposer}, getattr(est, key))
+
+    def _set(self, key: str, labels: dict[str, str], value: float | None) -> None:
+        # Reported after every engine step: only changes go out (each set is an IPC call).
+        ident = (key, tuple(labels.items()))
+        with self._gauges_lock:   # the engine thread and submitting threads both report
+            if value is not None and self._gauges.get(ident) != value:
+                self._gauges[ident] = value
+                self._queue.put((key, labels, "set", value))
 
     def rejected(self, reason: str) -> None:
         self._inc("rejected", {"reason": reason}, 1)
