@@ -149,7 +149,7 @@ def test_adaptive_policy_is_lossless_and_follows_the_cost_table(target):
 # -- issue 25: the policy keeps learning while off, on noise-robust, same-condition costs ----------
 from specserve.core.draft_policy import (COST_WINDOW, HYSTERESIS, PROBE_EVERY, RECOVERY_STEPS,  # noqa: E402
                                          DraftPolicy)
-from specserve.core.proposer import Draft, ProposerError  # noqa: E402
+from specserve.core.proposer import Draft, ProposerDefaults, ProposerError  # noqa: E402
 
 
 def simulate(policy: DraftPolicy, draft_seconds, steps: int, accept: int = 8, slowdown: float = 1.0):
@@ -241,7 +241,7 @@ class TimedTarget:
         return getattr(self._model, name)
 
 
-class OracleDrafter:
+class OracleDrafter(ProposerDefaults):
     """Drafts the target's own greedy continuation (known from a plain run); each call costs
     `seconds` on the clock, or raises `error` when set."""
     name, needs_features = "oracle", False
