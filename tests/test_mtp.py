@@ -490,14 +490,16 @@ def test_mtp_proposal_renders_the_served_drafters_only(four_drafters, target_pat
     import re
 
     from specserve.methods.mtp.heads import save_mtp_heads
-    from specserve.triton.render import RepositorySettings, render_mtp_proposal
+    from specserve.serving.settings import DeploymentSettings
+    from specserve.triton.render import render_mtp_proposal
 
     heads = four_drafters[3]
     save_mtp_heads(heads, tmp_path / "mtp")
     steps = {}
     for name, drafted in (("plain", (("eagle", "unused"),)), ("heads", (("eagle", "unused"), ("mtp", str(tmp_path / "mtp"))))):
         repo = tmp_path / name
-        render_mtp_proposal(RepositorySettings(target_path, drafters=drafted, placement="remote"), repo)
+        render_mtp_proposal(DeploymentSettings(target_path, drafters=drafted, placement="remote",
+                                               draft_policy="fixed", default_method="none"), repo)
         steps[name] = re.findall(r'model_name: "(\w+)"', (repo / "mtp_proposal" / "config.pbtxt").read_text())
         assert sorted(p.name for p in repo.iterdir()) == sorted({"mtp_proposal", "ngram_drafter", "mtp_arbiter",
                                                                  *(["mtp_heads"] if name == "heads" else [])})
@@ -544,7 +546,8 @@ def test_mtp_runs_remote_by_default_whatever_eagles_placement(tmp_path, monkeypa
     from specserve.methods.eagle.drafter import save_eagle
     from specserve.methods.mtp.remote import RemoteMTPProposer
     from specserve.serving.build import build_engine, mtp_runs_remote
-    from specserve.triton.render import RepositorySettings, render_repository, verifier_settings
+    from specserve.serving.settings import DeploymentSettings
+    from specserve.triton.render import render_repository
 
     target_path = make_served_checkpoint(tmp_path / "ckpt", seed=3, max_position_embeddings=256)
     target = load_model(target_path)
@@ -558,15 +561,16 @@ def test_mtp_runs_remote_by_default_whatever_eagles_placement(tmp_path, monkeypa
     assert str(e.value) == "mtp placement must be one of fused, remote, got 'cloud'"
     remote_models = {"mtp_proposal", "ngram_drafter", "mtp_arbiter", "eagle_backbone", "calibration_head"}
     for mtp_placement in ("remote", "fused"):
-        repo = render_repository(RepositorySettings(target_path, max_model_len=128, drafters=drafted,
-                                                    mtp_placement=mtp_placement), tmp_path / mtp_placement)
+        repo = render_repository(DeploymentSettings(target_path, max_model_len=128, drafters=drafted,
+                                                    mtp_placement=mtp_placement, draft_policy="fixed",
+                                                    default_method="none"), tmp_path / mtp_placement)
         names = {p.name for p in repo.iterdir()}
         assert names & remote_models == (remote_models if mtp_placement == "remote" else set()), names
         from google.protobuf import text_format
         from tritonclient.grpc import model_config_pb2
 
         cfg = text_format.Parse((repo / "target_verifier" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
-        settings = verifier_settings({k: v.string_value for k, v in cfg.parameters.items()})
+        settings = DeploymentSettings.from_params({k: v.string_value for k, v in cfg.parameters.items()})
         assert (settings.placement, settings.mtp_placement) == ("fused", mtp_placement)
         # bls imports the Python backend's module, which exists only inside tritonserver: building
         # the proposer needs only its name (the calls are made while serving).

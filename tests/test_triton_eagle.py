@@ -24,7 +24,8 @@ from specserve.model.tiny import train_tiny_tokenizer
 from specserve.triton import drafters
 from specserve.triton.client import CompletionError, StreamClient
 from specserve.triton.launch import TritonServer
-from specserve.triton.render import RepositorySettings, render_repository
+from specserve.serving.settings import DeploymentSettings
+from specserve.triton.render import render_repository
 from streams import during_streams, scrape_metrics
 from test_eagle import random_drafter
 
@@ -52,9 +53,10 @@ def start_server(tmp_path_factory, placement: str):
                             target.lm_head.weight), root / "mtp")
     shutil.copytree(ckpt, root / "draft")
     drafted = (("eagle", str(root / "eagle")), ("mtp", str(root / "mtp")), ("draft", str(root / "draft")))
-    repo = render_repository(RepositorySettings(ckpt, max_num_seqs=16, max_model_len=256, max_draft_len=4,
+    repo = render_repository(DeploymentSettings(ckpt, max_num_seqs=16, max_model_len=256, max_draft_len=4,
                                                 default_method="eagle", drafters=drafted,
-                                                placement=placement, mtp_placement=placement, spec_threshold=None),
+                                                placement=placement, mtp_placement=placement,
+                                                spec_threshold=None, draft_policy="fixed"),
                              root / "model_repository")
     extra = ["--model-control-mode=explicit", "--load-model=*"] if placement == "remote" else []
     srv = TritonServer(repo, root, None, log_file=root / "tritonserver.log", exit_timeout_s=5,

@@ -26,7 +26,8 @@ import torch
 from conftest import make_tiny_checkpoint
 from specserve.triton.client import CompletionError, StreamClient, build_inputs
 from specserve.triton.launch import TritonServer
-from specserve.triton.render import RepositorySettings, render_repository
+from specserve.serving.settings import DeploymentSettings
+from specserve.triton.render import render_repository
 from specserve.model.tiny import train_tiny_tokenizer
 from streams import scrape_metrics
 
@@ -52,8 +53,8 @@ class Deployment:
         extra = {"eos_token_id": None} if family == "qwen2" else {}
         make_tiny_checkpoint(self.ckpt, family, vocab_size=self.tokenizer.get_vocab_size(), seed=3,
                              max_position_embeddings=MAX_MODEL_LEN[family], **extra)
-        repo = render_repository(RepositorySettings(self.ckpt, max_num_seqs=16,
-                                                    max_model_len=MAX_MODEL_LEN[family]),
+        repo = render_repository(DeploymentSettings(self.ckpt, max_num_seqs=16,
+                                                    max_model_len=MAX_MODEL_LEN[family], draft_policy="fixed"),
                                  root / "model_repository")
         self.server = TritonServer(repo, root, None, log_file=root / "tritonserver.log",
                                    exit_timeout_s=5)
