@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -583,16 +584,24 @@ def test_mtp_runs_remote_by_default_whatever_eagles_placement(tmp_path, monkeypa
 
 
 def test_startup_lines_say_where_each_drafter_and_mtp_run():
+    from specserve.methods import registry
     from specserve.serving.build import where_drafters_run
+    from specserve.serving.settings import DeploymentSettings
 
     demo = ROOT / "models" / "demo"
-    found = tuple((m, str(demo / m)) for m in ("eagle", "dflash", "draft", "mtp"))
-    assert where_drafters_run(found) == [
+    found = tuple((m, str(demo / m)) for m in registry.folder_methods())   # every drafter of the demo
+    served = DeploymentSettings(demo / "target", drafters=found)
+    assert where_drafters_run(served) == [
         "drafter eagle from models/demo/eagle (fused)", "drafter dflash from models/demo/dflash (fused)",
         "drafter draft from models/demo/draft (fused)", "drafter mtp from models/demo/mtp (remote)",
         "mtp merges mtp_heads, eagle, draft, ngram (remote: the mtp_proposal ensemble)"]
-    assert where_drafters_run(found, "remote", "fused")[1:] == [
+    assert where_drafters_run(replace(served, placement="remote", mtp_placement="fused"))[1:] == [
         "drafter dflash from models/demo/dflash (fused: no remote export)",
         "drafter draft from models/demo/draft (fused: no remote export)", "drafter mtp from models/demo/mtp (fused)",
         "mtp merges mtp_heads, eagle, draft, ngram (fused)"]
-    assert where_drafters_run(found[2:3])[-1] == "mtp merges draft, ngram (fused: remote needs an EAGLE drafter)"
+    assert where_drafters_run(replace(served, drafters=found[2:3]))[-1] == \
+        "mtp merges draft, ngram (fused: remote needs an EAGLE drafter)"
+    # Built in process (no BLS calls to make), mtp runs fused whatever its placement, and says so.
+    assert where_drafters_run(served, bls_calls=False)[-2:] == [
+        "drafter mtp from models/demo/mtp (fused)",
+        "mtp merges mtp_heads, eagle, draft, ngram (fused: built in process, with no BLS calls to make)"]
