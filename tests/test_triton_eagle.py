@@ -18,6 +18,7 @@ import pytest
 
 from conftest import make_tiny_checkpoint
 from specserve.model.transformer import load_model
+from specserve.methods import registry
 from specserve.methods.eagle.drafter import save_eagle
 from specserve.methods.mtp.heads import MTPConfig, MTPHeads, _target_fields, save_mtp_heads
 from specserve.model.tiny import train_tiny_tokenizer
@@ -131,7 +132,7 @@ def test_greedy_mtp_equals_none(request, placement):
         credited |= set(st["accepted_by_proposer"])
     assert credited == {"draft", "ngram"}
     plain = gen(srv, PROMPTS[0], "none").text
-    for sub in ("mtp_heads", "eagle", "draft"):
+    for sub in (m.name for m in registry.composite().members if m.drafter):   # every trained member
         alone = StreamClient(srv.grpc_url).generate(PROMPTS[0], {"max_tokens": 40, "spec_method": "mtp",
                                                                  "mtp_proposers": [sub]})
         assert alone.text == plain and alone.spec_stats["draft_tokens"] > 0, sub
