@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specserve.core.engine import EngineConfig
+from specserve.core.config import EngineConfig
 from specserve.serving import settings as S
 from specserve.serving.settings import DeploymentSettings
 from specserve.serving.tiers import Tier

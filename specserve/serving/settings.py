@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from specserve.core.draft_policy import POLICIES
-from specserve.core.engine import EngineConfig
+from specserve.core.config import EngineConfig
 from specserve.methods import registry
 from specserve.model.devices import DRAFTER_DTYPES, DTYPES
 from specserve.serving.auth import new_key
