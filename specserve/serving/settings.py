@@ -229,7 +229,8 @@ def cli_fields() -> list[dataclasses.Field]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per cli field: its help, choices, metavar and default are the field's."""
+    """One flag per cli field: its help, choices, metavar and default are the field's (the
+    default shown in the help where the help does not describe it)."""
     for f in cli_fields():
         meta, kw = f.metadata, {}
         if f.default is MISSING:
@@ -241,7 +242,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if meta["metavar"] is not None:
             kw["metavar"] = meta["metavar"]
         kind = meta["cli_type"] or (meta["param"].decode if meta["param"] is not None else str)
-        parser.add_argument(_flag(f), dest=f.name, type=kind, help=meta["help"], **kw)
+        shown = f.default not in (MISSING, None) and "default" not in meta["help"]
+        text = meta["help"] + (" (default: %(default)s)" if shown else "")
+        parser.add_argument(_flag(f), dest=f.name, type=kind, help=text, **kw)
 
 
 def from_args(args: argparse.Namespace, **found: Any) -> DeploymentSettings:
