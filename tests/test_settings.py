@@ -68,6 +68,20 @@ def test_settings_come_from_the_serve_flags():
     assert {f.name for f in S.cli_fields()} == set(FIELDS) - {"drafters", "tiers", "internal_key"}
 
 
+def test_serve_resolves_what_it_finds_into_the_settings():
+    """On the demo target, serve finds every drafter beside it and serves the first one's
+    method by default, at the model's length."""
+    from specserve.cli.main import build_parser, serve_settings
+    from specserve.methods import registry
+
+    args = build_parser().parse_args(["serve", "--target", str(DEMO / "target"), "--no-text-gate"])
+    settings, methods = serve_settings(args)
+    assert [m for m, _ in settings.drafters] == list(registry.folder_methods())
+    assert (settings.default_method, settings.max_model_len, settings.text_classifier) == ("eagle", 2048, None)
+    assert (settings.mtp_placement, settings.draft_policy) == ("remote", "adaptive")
+    assert set(methods) == set(registry.names())
+
+
 def test_one_default_per_setting():
     """The serve flags' defaults are the fields' own, and the settings the engine shares with
     the core's EngineConfig default to EngineConfig's values."""

@@ -14,11 +14,14 @@ import signal
 import socket
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from specserve.cli.checks import CliError, check_checkpoint, resolve_drafters
 from specserve.serving.auth import ADMIN_KEY_ENV, ADMIN_KEY_FILE
 from specserve.methods import registry
+
+if TYPE_CHECKING:
+    from specserve.serving.settings import DeploymentSettings
 
 # Kubernetes' terminationGracePeriodSeconds in deploy/k8s must exceed this (tests check it).
 DRAIN_TIMEOUT_S = 30.0
@@ -110,7 +113,7 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def serve_settings(args: argparse.Namespace):
+def serve_settings(args: argparse.Namespace) -> tuple["DeploymentSettings", list[str]]:
     """serve's flags → the DeploymentSettings it serves, every check a user can fail made here,
     before any server starts. Returns (settings, the methods it serves)."""
     from specserve.model.devices import resolve_device
@@ -176,7 +179,7 @@ def _serve(args: argparse.Namespace) -> int:
         return _run_server(args, settings, work, methods)
 
 
-def _run_server(args: argparse.Namespace, settings, work: Path, methods: list[str]) -> int:
+def _run_server(args: argparse.Namespace, settings: "DeploymentSettings", work: Path, methods: list[str]) -> int:
     from specserve.triton import drafter_backends
     from specserve.serving.auth import resolve_admin_key
     from specserve.triton.launch import Ports, ServerStartError, TritonServer, prepare_backends
