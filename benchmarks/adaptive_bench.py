@@ -43,10 +43,10 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("docs/reliability/adaptive.json"))
     args = ap.parse_args()
 
-    from specserve.triton.render import RepositorySettings
+    from specserve.serving.settings import DeploymentSettings
 
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    settings = RepositorySettings(DEMO / "target", max_num_seqs=max(concurrencies), max_model_len=1024,
+    settings = DeploymentSettings(DEMO / "target", max_num_seqs=max(concurrencies), max_model_len=1024,
                                   max_draft_len=8, default_method="eagle", drafters=(("eagle", str(DEMO / "eagle")),),
                                   draft_policy="adaptive", max_queue_len=4 * max(concurrencies))
 

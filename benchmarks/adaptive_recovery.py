@@ -65,10 +65,11 @@ def run_phase(client, texts: list[str], new_tokens: int) -> dict:
 def one_server(policy: str, texts: list[str], new_tokens: int, hogs: int, log=print) -> dict:
     from specserve.triton.client import StreamClient
     from specserve.triton.launch import TritonServer
-    from specserve.triton.render import RepositorySettings, render_repository
+    from specserve.serving.settings import DeploymentSettings
+    from specserve.triton.render import render_repository
 
     work = Path(tempfile.mkdtemp(prefix=f"adaptive-recovery-{policy}-"))
-    settings = RepositorySettings(DEMO / "target", max_num_seqs=4, max_model_len=1024, max_draft_len=8,
+    settings = DeploymentSettings(DEMO / "target", max_num_seqs=4, max_model_len=1024, max_draft_len=8,
                                   default_method="eagle", drafters=(("eagle", str(DEMO / "eagle")),),
                                   draft_policy=policy)
     srv = TritonServer(render_repository(settings, work / "model_repository"), work, None,

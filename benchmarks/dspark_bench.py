@@ -36,12 +36,12 @@ METHODS = ["dspark", "eagle", "none"]
 
 
 def serving(args, log=print) -> dict:
-    from specserve.triton.render import RepositorySettings
+    from specserve.serving.settings import DeploymentSettings
 
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    settings = RepositorySettings(DEMO / "target", max_num_seqs=max(concurrencies), max_model_len=1024,
+    settings = DeploymentSettings(DEMO / "target", max_num_seqs=max(concurrencies), max_model_len=1024,
                                   max_draft_len=8, default_method="none",
-                                  drafters=(("eagle", str(DEMO / "eagle")),), device="cpu")
+                                  drafters=(("eagle", str(DEMO / "eagle")),), device="cpu", draft_policy="fixed")
     phases = run_phases(settings, METHODS,
                         lambda req, m: {"max_tokens": req.max_tokens, "temperature": 0.0, "spec_method": m},
                         prompts=alternated_prompts(args.prompts), concurrencies=concurrencies,

@@ -110,13 +110,15 @@ def model_stats(client, model: str) -> dict[str, int]:
 
 def start_server(target: Path, drafter: Path, placement: str, work: Path, args):
     from specserve.triton.launch import TritonServer
-    from specserve.triton.render import RepositorySettings, render_repository
+    from specserve.serving.settings import DeploymentSettings
+    from specserve.triton.render import render_repository
 
     run_dir = work / placement
-    repo = render_repository(RepositorySettings(target, max_num_seqs=2, max_model_len=args.max_model_len,
+    repo = render_repository(DeploymentSettings(target, max_num_seqs=2, max_model_len=args.max_model_len,
                                                 max_draft_len=args.max_draft_len, default_method="none",
                                                 drafters=(("eagle", str(drafter)),), placement=placement,
-                                                spec_threshold=args.threshold, dtype=args.dtype),
+                                                spec_threshold=args.threshold, dtype=args.dtype,
+                                                draft_policy="fixed"),
                              run_dir / "model_repository")
     return TritonServer(repo, run_dir, None, log_file=run_dir / "tritonserver.log").start()
 

@@ -85,7 +85,8 @@ def triton_part(args, sets: dict[str, list[str]]) -> dict:
 
     from specserve.triton.client import StreamClient
     from specserve.triton.launch import TritonServer
-    from specserve.triton.render import RepositorySettings, render_repository
+    from specserve.serving.settings import DeploymentSettings
+    from specserve.triton.render import render_repository
 
     # One server per mtp placement, started together, EAGLE fused in each (its default); none,
     # eagle and draft run on the first, mtp and mtp_fast on each (suffixed _fused on a fused one).
@@ -93,10 +94,11 @@ def triton_part(args, sets: dict[str, list[str]]) -> dict:
     work = Path(tempfile.mkdtemp(prefix="mtp-bench-"))
     servers = {}
     for p in placements:
-        repo = render_repository(RepositorySettings(DEMO / "target", max_num_seqs=2, max_model_len=1024,
+        repo = render_repository(DeploymentSettings(DEMO / "target", max_num_seqs=2, max_model_len=1024,
                                                     max_draft_len=args.max_draft_len, default_method="none",
                                                     drafters=tuple((m, str(f)) for m, f in DRAFTERS),
-                                                    mtp_placement=p, spec_threshold=0.3), work / p / "model_repository")
+                                                    mtp_placement=p, spec_threshold=0.3, draft_policy="fixed"),
+                                                    work / p / "model_repository")
         servers[p] = TritonServer(repo, work / p, None, log_file=work / p / "tritonserver.log").start()
     where = {c: placements[0] for c in CONFIGS}
     params = dict(CONFIGS)
@@ -152,12 +154,14 @@ def in_process_part(args, sets: dict[str, list[str]]) -> dict:
 
     from specserve.core.engine import GenerationRequest
     from specserve.core.sampling import SamplingParams
-    from specserve.serving.build import EngineSettings, build_engine
+    from specserve.serving.build import build_engine
+    from specserve.serving.settings import DeploymentSettings
 
     torch.set_num_threads(1)
-    engine, tok = build_engine(EngineSettings(DEMO / "target", max_num_seqs=2, max_model_len=1024,
-                                              max_draft_len=max(BUDGETS), drafters=tuple((m, str(f)) for m, f in DRAFTERS),
-                                              spec_threshold=0.3))
+    engine, tok = build_engine(DeploymentSettings(DEMO / "target", max_num_seqs=2, max_model_len=1024,
+                                                  max_draft_len=max(BUDGETS),
+                                                  drafters=tuple((m, str(f)) for m, f in DRAFTERS), spec_threshold=0.3,
+                                                  draft_policy="fixed", default_method="none"))
     mtp = engine.proposers["mtp"]
     timers = {name: [0.0, 0] for name in mtp.subs}
     for name, sub in mtp.subs.items():   # time each sub-proposer's own call

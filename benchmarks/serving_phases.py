@@ -26,7 +26,7 @@ def alternated_prompts(n_per_kind: int) -> list[dict]:
 
 def run_phases(settings, configs: list[str], sampling: Callable[[object, str], dict], *, prompts: list[dict],
                concurrencies: list[int], new_tokens: int, reference: str = "none", log=print) -> dict:
-    """{concurrency: {config: summary}} for a server rendered from RepositorySettings `settings`;
+    """{concurrency: {config: summary}} for a server rendered from DeploymentSettings `settings`;
     `sampling(workload_request, config)` gives each request's sampling_parameters."""
     from specserve.cli.bench.metrics import speculation, summarize
     from specserve.cli.bench.runner import StreamDriver, run_phase

@@ -69,11 +69,13 @@ def through_triton(texts: list[str], rounds: int) -> dict:
     from specserve.triton.client import build_inputs
     from specserve.triton.launch import TritonServer
     from specserve.serving.params import RequestConfig
-    from specserve.triton.render import RepositorySettings, render_repository
+    from specserve.serving.settings import DeploymentSettings
+    from specserve.triton.render import render_repository
 
     root = Path(tempfile.mkdtemp(prefix="specserve-text-gate-bench-"))
-    repo = render_repository(RepositorySettings(TARGET, max_num_seqs=2, max_model_len=1024, default_method="none",
-                                                text_classifier=str(CLASSIFIER)), root / "model_repository")
+    repo = render_repository(DeploymentSettings(TARGET, max_num_seqs=2, max_model_len=1024, default_method="none",
+                                                text_classifier=str(CLASSIFIER), draft_policy="fixed"),
+                                                root / "model_repository")
     srv = TritonServer(repo, root, None, log_file=root / "tritonserver.log", exit_timeout_s=5,
                        extra_args=list(SERVE_TRITON_ARGS))
     srv.start()

@@ -100,7 +100,8 @@ def main() -> int:
     from specserve.triton import tier_control
     from specserve.methods import registry
     from specserve.triton.launch import TritonServer
-    from specserve.triton.render import RepositorySettings, render_repository
+    from specserve.serving.settings import DeploymentSettings
+    from specserve.triton.render import render_repository
     from specserve.serving.tiers import ServerLimits, load_tiers
     from specserve.model.tokenizer import load_tokenizer
 
@@ -110,7 +111,7 @@ def main() -> int:
     tiers = load_tiers(TIERS_FILE, ServerLimits(("none", "ngram", "eagle", "dspark"), 8, max_len,
                                                 drafted=registry.borrowed()))
     names = [t.name for t in tiers]
-    settings = RepositorySettings(DEMO / "target", max_num_seqs=args.max_num_seqs, max_model_len=max_len,
+    settings = DeploymentSettings(DEMO / "target", max_num_seqs=args.max_num_seqs, max_model_len=max_len,
                                   max_draft_len=8, default_method="eagle", drafters=(("eagle", str(DEMO / "eagle")),),
                                   draft_policy="adaptive", max_queue_len=4 * args.burst, tiers=tiers)
     tok = load_tokenizer(DEMO / "target")

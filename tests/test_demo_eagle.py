@@ -39,7 +39,7 @@ def engine(tmp_path_factory):
     proposers = {"eagle": EagleProposer(drafter, target, max_num_seqs=4, max_model_len=512, max_draft_len=6),
                  "eagle_bf16": EagleProposer(bf16, target, max_num_seqs=4, max_model_len=512, max_draft_len=6,
                                              name="eagle_bf16"),
-                 "eagle_remote": RemoteProposer("eagle_remote", in_process_call(rt, cal), max_draft_len=6,
+                 "eagle_remote": RemoteProposer("eagle_remote", in_process_call(rt, cal), max_draft_len=6, timeout_s=600,
                                                    release=rt.release)}
     tok = Tokenizer.from_file(str(TARGET / "tokenizer.json"))
     lines = (ROOT / "models/demo/heldout_prompts.jsonl").read_text().splitlines()

@@ -222,11 +222,11 @@ def test_save_and_load_roundtrip(tmp_path):
 
 def test_serve_finds_every_drafter_beside_the_demo_target():
     from specserve.cli.checks import CliError, resolve_drafters
+    from specserve.methods import registry
 
     target = DEMO / "target"
     found = resolve_drafters(target, [], False)
-    assert [(m, Path(f).name) for m, f in found] == [("eagle", "eagle"), ("dflash", "dflash"), ("draft", "draft"),
-                                                     ("mtp", "mtp")]
+    assert [(m, Path(f).name) for m, f in found] == [(m, m) for m in registry.folder_methods()]
     assert resolve_drafters(target, [f"dflash={DEMO / 'dflash'}"], False) == (("dflash", str(DEMO / "dflash")),)
     with pytest.raises(CliError, match="unknown method 'flash'; drafters: eagle, dflash, draft, mtp$"):
         resolve_drafters(target, ["flash=x"], False)

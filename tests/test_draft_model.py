@@ -194,10 +194,12 @@ def test_drafter_flag_and_discovery_beside_the_target(tmp_path):
 
 
 def test_factory_builds_the_draft_method(tmp_path):
-    from specserve.serving.build import EngineSettings, build_engine
+    from specserve.serving.build import build_engine
+    from specserve.serving.settings import DeploymentSettings
 
-    settings = EngineSettings(DEMO / "target", max_num_seqs=2, max_model_len=128, max_draft_len=4,
-                              drafters=(("draft", str(DEMO / "draft")),), drafter_dtype="float32")
+    settings = DeploymentSettings(DEMO / "target", max_num_seqs=2, max_model_len=128, max_draft_len=4,
+                                  drafters=(("draft", str(DEMO / "draft")),), drafter_dtype="float32",
+                                  draft_policy="fixed", default_method="none")
     engine, _ = build_engine(settings)
     prop = engine.proposers["draft"]
     assert isinstance(prop, DraftModelProposer) and prop.name == "draft" and not prop.needs_features

@@ -211,11 +211,12 @@ def test_cuda_fp32_methods_equal_none(method):
 def test_triton_dspark_greedy_equals_none(tmp_path):
     from specserve.triton.client import StreamClient
     from specserve.triton.launch import TritonServer
-    from specserve.triton.render import RepositorySettings, render_repository
+    from specserve.serving.settings import DeploymentSettings
+    from specserve.triton.render import render_repository
 
-    repo = render_repository(RepositorySettings(DEMO / "target", max_num_seqs=4, max_model_len=512, max_draft_len=8,
+    repo = render_repository(DeploymentSettings(DEMO / "target", max_num_seqs=4, max_model_len=512, max_draft_len=8,
                                                 default_method="eagle", drafters=(("eagle", str(DEMO / "eagle")),),
-                                                device="cpu"),
+                                                device="cpu", draft_policy="fixed"),
                              tmp_path / "model_repository")
     srv = TritonServer(repo, tmp_path, None, log_file=tmp_path / "tritonserver.log", exit_timeout_s=5)
     srv.start()

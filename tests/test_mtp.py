@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -490,14 +491,16 @@ def test_mtp_proposal_renders_the_served_drafters_only(four_drafters, target_pat
     import re
 
     from specserve.methods.mtp.heads import save_mtp_heads
-    from specserve.triton.render import RepositorySettings, render_mtp_proposal
+    from specserve.serving.settings import DeploymentSettings
+    from specserve.triton.render import render_mtp_proposal
 
     heads = four_drafters[3]
     save_mtp_heads(heads, tmp_path / "mtp")
     steps = {}
     for name, drafted in (("plain", (("eagle", "unused"),)), ("heads", (("eagle", "unused"), ("mtp", str(tmp_path / "mtp"))))):
         repo = tmp_path / name
-        render_mtp_proposal(RepositorySettings(target_path, drafters=drafted, placement="remote"), repo)
+        render_mtp_proposal(DeploymentSettings(target_path, drafters=drafted, placement="remote",
+                                               draft_policy="fixed", default_method="none"), repo)
         steps[name] = re.findall(r'model_name: "(\w+)"', (repo / "mtp_proposal" / "config.pbtxt").read_text())
         assert sorted(p.name for p in repo.iterdir()) == sorted({"mtp_proposal", "ngram_drafter", "mtp_arbiter",
                                                                  *(["mtp_heads"] if name == "heads" else [])})
@@ -544,7 +547,8 @@ def test_mtp_runs_remote_by_default_whatever_eagles_placement(tmp_path, monkeypa
     from specserve.methods.eagle.drafter import save_eagle
     from specserve.methods.mtp.remote import RemoteMTPProposer
     from specserve.serving.build import build_engine, mtp_runs_remote
-    from specserve.triton.render import RepositorySettings, render_repository, verifier_settings
+    from specserve.serving.settings import DeploymentSettings
+    from specserve.triton.render import render_repository
 
     target_path = make_served_checkpoint(tmp_path / "ckpt", seed=3, max_position_embeddings=256)
     target = load_model(target_path)
@@ -558,15 +562,16 @@ def test_mtp_runs_remote_by_default_whatever_eagles_placement(tmp_path, monkeypa
     assert str(e.value) == "mtp placement must be one of fused, remote, got 'cloud'"
     remote_models = {"mtp_proposal", "ngram_drafter", "mtp_arbiter", "eagle_backbone", "calibration_head"}
     for mtp_placement in ("remote", "fused"):
-        repo = render_repository(RepositorySettings(target_path, max_model_len=128, drafters=drafted,
-                                                    mtp_placement=mtp_placement), tmp_path / mtp_placement)
+        repo = render_repository(DeploymentSettings(target_path, max_model_len=128, drafters=drafted,
+                                                    mtp_placement=mtp_placement, draft_policy="fixed",
+                                                    default_method="none"), tmp_path / mtp_placement)
         names = {p.name for p in repo.iterdir()}
         assert names & remote_models == (remote_models if mtp_placement == "remote" else set()), names
         from google.protobuf import text_format
         from tritonclient.grpc import model_config_pb2
 
         cfg = text_format.Parse((repo / "target_verifier" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
-        settings = verifier_settings({k: v.string_value for k, v in cfg.parameters.items()})
+        settings = DeploymentSettings.from_params({k: v.string_value for k, v in cfg.parameters.items()})
         assert (settings.placement, settings.mtp_placement) == ("fused", mtp_placement)
         # bls imports the Python backend's module, which exists only inside tritonserver: building
         # the proposer needs only its name (the calls are made while serving).
@@ -579,16 +584,24 @@ def test_mtp_runs_remote_by_default_whatever_eagles_placement(tmp_path, monkeypa
 
 
 def test_startup_lines_say_where_each_drafter_and_mtp_run():
+    from specserve.methods import registry
     from specserve.serving.build import where_drafters_run
+    from specserve.serving.settings import DeploymentSettings
 
     demo = ROOT / "models" / "demo"
-    found = tuple((m, str(demo / m)) for m in ("eagle", "dflash", "draft", "mtp"))
-    assert where_drafters_run(found) == [
+    found = tuple((m, str(demo / m)) for m in registry.folder_methods())   # every drafter of the demo
+    served = DeploymentSettings(demo / "target", drafters=found)
+    assert where_drafters_run(served) == [
         "drafter eagle from models/demo/eagle (fused)", "drafter dflash from models/demo/dflash (fused)",
         "drafter draft from models/demo/draft (fused)", "drafter mtp from models/demo/mtp (remote)",
         "mtp merges mtp_heads, eagle, draft, ngram (remote: the mtp_proposal ensemble)"]
-    assert where_drafters_run(found, "remote", "fused")[1:] == [
+    assert where_drafters_run(replace(served, placement="remote", mtp_placement="fused"))[1:] == [
         "drafter dflash from models/demo/dflash (fused: no remote export)",
         "drafter draft from models/demo/draft (fused: no remote export)", "drafter mtp from models/demo/mtp (fused)",
         "mtp merges mtp_heads, eagle, draft, ngram (fused)"]
-    assert where_drafters_run(found[2:3])[-1] == "mtp merges draft, ngram (fused: remote needs an EAGLE drafter)"
+    assert where_drafters_run(replace(served, drafters=found[2:3]))[-1] == \
+        "mtp merges draft, ngram (fused: remote needs an EAGLE drafter)"
+    # Built in process (no BLS calls to make), mtp runs fused whatever its placement, and says so.
+    assert where_drafters_run(served, bls_calls=False)[-2:] == [
+        "drafter mtp from models/demo/mtp (fused)",
+        "mtp merges mtp_heads, eagle, draft, ngram (fused: built in process, with no BLS calls to make)"]

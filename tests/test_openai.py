@@ -17,7 +17,8 @@ from streams import scrape_metrics
 from specserve.openai.chat import ChatTemplate
 from specserve.openai.server import make_server
 from specserve.triton.client import CompletionError, StreamClient, build_inputs
-from specserve.triton.render import RepositorySettings, render_repository
+from specserve.serving.settings import DeploymentSettings
+from specserve.triton.render import render_repository
 
 pytestmark = pytest.mark.triton
 
@@ -32,7 +33,7 @@ def deployment(tmp_path_factory):
     ckpt = make_served_checkpoint(root / "tiny-chat", seed=3)
     (ckpt / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": TEMPLATE, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
-    repo = render_repository(RepositorySettings(ckpt, max_num_seqs=2, max_model_len=256), root / "model_repository")
+    repo = render_repository(DeploymentSettings(ckpt, max_num_seqs=2, max_model_len=256, draft_policy="fixed"), root / "model_repository")
     with running_server(repo, root) as srv:
         api = make_server(srv.grpc_url, 0, ckpt, 256).start()
         grpc = StreamClient(srv.grpc_url)

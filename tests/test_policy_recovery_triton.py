@@ -19,7 +19,8 @@ from specserve.serving.fault_injection import FAULT_FILE_ENV
 from specserve.triton import drafters
 from specserve.triton.client import StreamClient
 from specserve.triton.launch import TritonServer
-from specserve.triton.render import RepositorySettings, render_repository
+from specserve.serving.settings import DeploymentSettings
+from specserve.triton.render import render_repository
 from streams import during_streams, scrape_metrics
 
 pytestmark = pytest.mark.triton
@@ -31,7 +32,7 @@ CODE = [json.loads(line)["prompt"] for line in (DEMO / "heldout_prompts.jsonl").
 
 @contextlib.contextmanager
 def demo_server(root: Path, placement: str):
-    repo = render_repository(RepositorySettings(DEMO / "target", max_num_seqs=8, max_model_len=512, max_draft_len=8,
+    repo = render_repository(DeploymentSettings(DEMO / "target", max_num_seqs=8, max_model_len=512, max_draft_len=8,
                                                 default_method="eagle", drafters=(("eagle", str(DEMO / "eagle")),),
                                                 placement=placement, mtp_placement=placement,
                                                 draft_policy="adaptive"),

@@ -18,10 +18,11 @@ DRAFTERS = tuple((m, str(DEMO / m)) for m in registry.folder_methods())
 @pytest.fixture(scope="module")
 def built():
     """Every method of the demo deployment (all drafters served), built in process (fused)."""
-    from specserve.serving.build import EngineSettings, build_engine
+    from specserve.serving.build import build_engine
+    from specserve.serving.settings import DeploymentSettings
 
-    engine, _ = build_engine(EngineSettings(DEMO / "target", max_num_seqs=2, max_model_len=256, drafters=DRAFTERS,
-                                            device="cpu"))
+    engine, _ = build_engine(DeploymentSettings(DEMO / "target", max_num_seqs=2, max_model_len=256, drafters=DRAFTERS,
+                                                device="cpu", draft_policy="fixed", default_method="none"))
     return engine.proposers
 
 

@@ -29,7 +29,8 @@ from conftest import make_served_checkpoint, running_server
 from specserve.serving.verifier_service import HOLD_FILE_ENV
 from specserve.triton.client import CompletionError, StreamClient, build_inputs
 from specserve.triton.launch import Ports
-from specserve.triton.render import RepositorySettings, render_repository
+from specserve.serving.settings import DeploymentSettings
+from specserve.triton.render import render_repository
 from streams import during_streams, scrape_metrics
 
 pytestmark = pytest.mark.triton
@@ -46,7 +47,8 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
     root = tmp_path_factory.mktemp("rel_server")
-    repo = render_repository(RepositorySettings(ckpt, max_num_seqs=8, max_model_len=2048, max_queue_len=64),
+    repo = render_repository(DeploymentSettings(ckpt, max_num_seqs=8, max_model_len=2048, max_queue_len=64,
+                                                draft_policy="fixed"),
                              root / "model_repository")
     with running_server(repo, root) as srv:
         yield srv

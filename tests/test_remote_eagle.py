@@ -101,7 +101,7 @@ def make_engine(target, proposers):
 def test_remote_drafts_equal_fused_drafts(setup):
     target, drafter, report = setup
     fused = EagleProposer(drafter, target, max_num_seqs=2, max_model_len=256, max_draft_len=5, threshold=None)
-    remote = RemoteProposer("eagle", Drafter(target, report), max_draft_len=5, threshold=None)
+    remote = RemoteProposer("eagle", Drafter(target, report), max_draft_len=5, threshold=None, timeout_s=600)
     prompt = PROMPTS[0]
     with torch.inference_mode():
         feats = target.forward(_prefill(target, prompt), None).hidden[0]  # [T, D] prompt features
@@ -122,7 +122,7 @@ def _prefill(target, prompt):
 
 def test_remote_greedy_equals_plain_and_threshold_cuts(setup):
     target, _, report = setup
-    remote = RemoteProposer("eagle", Drafter(target, report), max_draft_len=5, threshold=0.2)
+    remote = RemoteProposer("eagle", Drafter(target, report), max_draft_len=5, threshold=0.2, timeout_s=600)
     engine = make_engine(target, {"eagle": remote})
     reqs = lambda m: [GenerationRequest(f"{m}{i}", p, SamplingParams(max_tokens=16), m) for i, p in enumerate(PROMPTS)]
     plain, spec = engine.generate(reqs("none")), engine.generate(reqs("eagle"))

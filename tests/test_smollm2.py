@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 from check_import import CHAT_PROMPTS, chat_prompt_ids, check, transformers_greedy  # noqa: E402
 from specserve.model.smollm2 import ensure_imported  # noqa: E402
 from specserve.triton.client import StreamClient  # noqa: E402
-from specserve.triton.render import RepositorySettings, render_repository  # noqa: E402
+from specserve.serving.settings import DeploymentSettings  # noqa: E402
+from specserve.triton.render import render_repository  # noqa: E402
 
 MAX_TOKENS = 8
 MESSAGES = CHAT_PROMPTS[:2]
@@ -36,7 +37,7 @@ def test_greedy_equals_transformers_through_triton(smollm2, tmp_path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2))
     prompts = [chat_prompt_ids(tokenizer, m) for m in MESSAGES]
     ref = transformers_greedy(smollm2, prompts, MAX_TOKENS)
-    repo = render_repository(RepositorySettings(smollm2, max_num_seqs=2, max_model_len=512),
+    repo = render_repository(DeploymentSettings(smollm2, max_num_seqs=2, max_model_len=512, draft_policy="fixed"),
                              tmp_path / "model_repository")
     with running_server(repo, tmp_path) as srv:
         client = StreamClient(srv.grpc_url)

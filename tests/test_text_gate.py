@@ -249,22 +249,25 @@ def test_tier_dflash_text_types():
 
 
 def test_renderer_serves_the_classifier_and_configures_preprocess(tmp_path):
-    from specserve.triton.render import RepositorySettings, render_repository
+    from specserve.serving.settings import DeploymentSettings
+    from specserve.triton.render import render_repository
 
-    repo = render_repository(RepositorySettings(TARGET, text_classifier=str(CLASSIFIER),
+    repo = render_repository(DeploymentSettings(TARGET, text_classifier=str(CLASSIFIER),
                                                 dflash_text_types=("prose",), default_method="ngram",
-                                                tiers=(Tier("docs", "ngram"),)), tmp_path / "repo")
+                                                tiers=(Tier("docs", "ngram"),), draft_policy="fixed"),
+                                                tmp_path / "repo")
     assert sorted(p.name for p in (repo / "text_classifier" / "1").iterdir()) == ["config.json", "model.onnx",
                                                                                    "model.py"]
     for pre in ("preprocess", "preprocess_docs"):
         config = (repo / pre / "config.pbtxt").read_text()
         assert 'key: "text_gate" value: { string_value: "{\\"dflash_text_types\\": [\\"prose\\"]}" }' in config
         assert 'key: "default_method" value: { string_value: "ngram" }' in config
-    plain = render_repository(RepositorySettings(TARGET), tmp_path / "plain")
+    plain = render_repository(DeploymentSettings(TARGET, draft_policy="fixed"), tmp_path / "plain")
     assert not (plain / "text_classifier").exists()
     assert 'key: "text_gate" value: { string_value: "" }' in (plain / "preprocess" / "config.pbtxt").read_text()
     with pytest.raises(GateError, match="is not a text classifier folder: config.json is missing"):
-        render_repository(RepositorySettings(TARGET, text_classifier=str(tmp_path)), tmp_path / "bad")
+        render_repository(DeploymentSettings(TARGET, text_classifier=str(tmp_path), draft_policy="fixed"),
+                          tmp_path / "bad")
 
 
 def test_cli_resolves_the_classifier():

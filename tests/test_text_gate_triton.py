@@ -21,7 +21,8 @@ from specserve.triton import drafters
 from specserve.serving import schema
 from specserve.triton.client import CompletionError, StreamClient, build_inputs
 from specserve.serving.params import RequestConfig
-from specserve.triton.render import RepositorySettings, render_repository
+from specserve.serving.settings import DeploymentSettings
+from specserve.triton.render import render_repository
 from specserve.serving.tiers import Tier
 from streams import scrape_metrics
 
@@ -38,9 +39,10 @@ DOCS = Tier("docs", "ngram", "none", 1)
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("text_gate_server")
     ckpt = make_served_checkpoint(root / "ckpt", seed=3, max_position_embeddings=256)
-    repo = render_repository(RepositorySettings(ckpt, max_num_seqs=4, max_model_len=256, max_draft_len=4,
+    repo = render_repository(DeploymentSettings(ckpt, max_num_seqs=4, max_model_len=256, max_draft_len=4,
                                                 default_method="none", spec_threshold=None, tiers=(DOCS,),
-                                                text_classifier=str(CLASSIFIER)), root / "model_repository")
+                                                text_classifier=str(CLASSIFIER), draft_policy="fixed"),
+                                                root / "model_repository")
     with running_server(repo, root, SERVE_TRITON_ARGS) as srv:
         yield srv
 

@@ -168,10 +168,12 @@ def _parse(path: Path):
 
 
 def test_each_tier_renders_its_ensemble_and_preprocess(tmp_path):
-    from specserve.triton.render import RepositorySettings, render_repository
+    from specserve.serving.settings import DeploymentSettings
+    from specserve.triton.render import render_repository
 
     tiers = load_tiers(EXAMPLE, SERVED)
-    repo = render_repository(RepositorySettings(DEMO, tiers=tiers, internal_key="k"), tmp_path / "repo")
+    repo = render_repository(DeploymentSettings(DEMO, tiers=tiers, internal_key="k", draft_policy="fixed"),
+                             tmp_path / "repo")
     models = sorted(p.name for p in repo.iterdir())
     assert models == ["llm", "llm_batch", "llm_code", "llm_standard", "llm_vip", "postprocess", "preprocess",
                       "preprocess_batch", "preprocess_code", "preprocess_standard", "preprocess_vip",
@@ -194,28 +196,30 @@ def test_each_tier_renders_its_ensemble_and_preprocess(tmp_path):
 
 
 def test_the_verifiers_settings_survive_rendering(tmp_path):
-    """serve's flags → config.pbtxt parameters → the EngineSettings target_verifier builds."""
-    from specserve.triton.render import RepositorySettings, render_repository, verifier_settings
+    """serve's flags → config.pbtxt parameters → the DeploymentSettings target_verifier builds."""
+    from specserve.serving.settings import DeploymentSettings
+    from specserve.triton.render import render_repository
 
-    settings = RepositorySettings(DEMO, max_num_seqs=3, max_model_len=256, max_draft_len=15, default_method="ngram",
+    settings = DeploymentSettings(DEMO, max_num_seqs=3, max_model_len=256, max_draft_len=15, default_method="ngram",
                                   drafters=(("dflash", str(DEMO.parent / "dflash")),), spec_threshold=None,
                                   max_queue_len=7, draft_policy="adaptive", block_size=16, mtp_placement="fused",
                                   internal_key="k")
     repo = render_repository(settings, tmp_path / "repo")
     params = {k: v.string_value for k, v in _parse(repo / "target_verifier" / "config.pbtxt").parameters.items()}
-    got = verifier_settings(params)
+    got = DeploymentSettings.from_params(params)
     assert (got.max_num_seqs, got.max_model_len, got.max_draft_len, got.default_method) == (3, 256, 15, "ngram")
     assert got.drafters == (("dflash", str((DEMO.parent / "dflash").resolve())),)
     assert (got.spec_threshold, got.max_queue_len, got.draft_policy, got.block_size) == (None, 7, "adaptive", 16)
     assert (got.placement, got.mtp_placement) == ("fused", "fused")
-    assert verifier_settings({**params, "block_size": ""}).block_size is None
+    assert DeploymentSettings.from_params({**params, "block_size": ""}).block_size is None
 
 
 def test_a_tier_named_default_sets_llms_own_settings(tmp_path):
-    from specserve.triton.render import RepositorySettings, render_repository
+    from specserve.serving.settings import DeploymentSettings
+    from specserve.triton.render import render_repository
 
     tier = Tier("default", "ngram", priority=3)
-    repo = render_repository(RepositorySettings(DEMO, tiers=(tier,)), tmp_path / "repo")
+    repo = render_repository(DeploymentSettings(DEMO, tiers=(tier,), draft_policy="fixed"), tmp_path / "repo")
     assert not (repo / "llm_default").exists() and not (repo / "preprocess_default").exists()
     params = {k: v.string_value for k, v in _parse(repo / "preprocess" / "config.pbtxt").parameters.items()}
     assert Tier.from_json(params["tier_settings"]) == tier

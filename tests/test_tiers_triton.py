@@ -15,7 +15,8 @@ from specserve.model.transformer import load_model
 from specserve.methods.eagle.drafter import save_eagle
 from specserve.triton import tier_control
 from specserve.triton.client import CompletionError, StreamClient
-from specserve.triton.render import RepositorySettings, render_repository
+from specserve.serving.settings import DeploymentSettings
+from specserve.triton.render import render_repository
 from specserve.serving.tiers import Tier, TierError
 from streams import during_streams
 from test_eagle import random_drafter
@@ -33,9 +34,9 @@ def server(tmp_path_factory):
     ckpt = make_served_checkpoint(root / "ckpt", seed=3, max_position_embeddings=512)
     save_eagle(random_drafter(load_model(ckpt), seed=5), json.loads((ckpt / "config.json").read_text()),
                root / "eagle")
-    repo = render_repository(RepositorySettings(ckpt, max_num_seqs=16, max_model_len=512, max_draft_len=4,
+    repo = render_repository(DeploymentSettings(ckpt, max_num_seqs=16, max_model_len=512, max_draft_len=4,
                                                 default_method="none", drafters=(("eagle", str(root / "eagle")),),
-                                                spec_threshold=None, tiers=(FAST, CODE)),
+                                                spec_threshold=None, tiers=(FAST, CODE), draft_policy="fixed"),
                              root / "model_repository")
     with running_server(repo, root, SERVE_TRITON_ARGS) as srv:
         yield srv

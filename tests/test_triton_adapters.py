@@ -17,7 +17,8 @@ from conftest import make_served_checkpoint
 from specserve.serving import schema
 from specserve.serving.detokenize import TokenWindow, make_window, stable, text_delta
 from specserve.serving.params import BadRequest, make_request_config, parse_sampling_parameters
-from specserve.triton.render import RepositorySettings, render_repository
+from specserve.serving.settings import DeploymentSettings
+from specserve.triton.render import render_repository
 from specserve.core.engine import GenerationRequest
 from specserve.model.transformer import CheckpointError
 from specserve.core.sampling import SamplingParams
@@ -143,7 +144,8 @@ def _parse(path: Path):
 
 
 def test_rendered_configs_carry_the_schema(ckpt, tmp_path):
-    repo = render_repository(RepositorySettings(ckpt, max_num_seqs=3, max_model_len=64), tmp_path / "repo")
+    repo = render_repository(DeploymentSettings(ckpt, max_num_seqs=3, max_model_len=64, draft_policy="fixed"),
+                             tmp_path / "repo")
     for spec in (*schema.ENSEMBLE_STEPS, schema.ENSEMBLE):
         cfg = _parse(repo / spec.name / "config.pbtxt")
         assert cfg.name == spec.name
@@ -202,9 +204,10 @@ class FakeSender:
 
 @pytest.fixture(scope="module")
 def service(ckpt):
-    from specserve.serving.build import EngineSettings, build_engine
+    from specserve.serving.build import build_engine
+    from specserve.serving.settings import DeploymentSettings
     from specserve.serving.verifier_service import VerifierService
-    engine, _ = build_engine(EngineSettings(ckpt, max_num_seqs=4, max_model_len=256))
+    engine, _ = build_engine(DeploymentSettings(ckpt, max_num_seqs=4, max_model_len=256, draft_policy="fixed"))
     svc = VerifierService(engine)
     yield svc
     svc.stop()
@@ -259,11 +262,14 @@ def test_numbers_and_booleans_as_strings_are_accepted_like_the_vllm_backend():
 def test_build_engine_dtype(ckpt):
     import torch
 
-    from specserve.serving.build import EngineSettings, build_engine
-    engine, _ = build_engine(EngineSettings(ckpt, max_num_seqs=1, max_model_len=64, dtype="bfloat16"))
+    from specserve.serving.build import build_engine
+    from specserve.serving.settings import DeploymentSettings
+    engine, _ = build_engine(DeploymentSettings(ckpt, max_num_seqs=1, max_model_len=64, dtype="bfloat16",
+                                                draft_policy="fixed"))
     assert engine.model.dtype == torch.bfloat16 and engine.cache.k.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, got 'float16'"):
-        build_engine(EngineSettings(ckpt, max_num_seqs=1, max_model_len=64, dtype="float16"))
+        build_engine(DeploymentSettings(ckpt, max_num_seqs=1, max_model_len=64, dtype="float16",
+                                        draft_policy="fixed"))
 
 
 def test_engine_is_built_and_run_on_the_loop_thread(ckpt):
@@ -272,13 +278,14 @@ def test_engine_is_built_and_run_on_the_loop_thread(ckpt):
     import threading
 
     from specserve.core.engine_loop import EngineLoop
-    from specserve.serving.build import EngineSettings, build_engine
+    from specserve.serving.build import build_engine
+    from specserve.serving.settings import DeploymentSettings
 
     seen = []
 
     def factory():
         seen.append(threading.current_thread().name)
-        return build_engine(EngineSettings(ckpt, max_num_seqs=1, max_model_len=64))[0]
+        return build_engine(DeploymentSettings(ckpt, max_num_seqs=1, max_model_len=64, draft_policy="fixed"))[0]
 
     outs = []
     loop = EngineLoop(factory, outs.append).start()

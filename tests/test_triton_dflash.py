@@ -11,7 +11,8 @@ import pytest
 
 from specserve.triton.client import CompletionError, StreamClient
 from conftest import running_server
-from specserve.triton.render import RepositorySettings, render_repository
+from specserve.serving.settings import DeploymentSettings
+from specserve.triton.render import render_repository
 from specserve.serving.tiers import Tier
 
 pytestmark = pytest.mark.triton
@@ -24,11 +25,12 @@ CODE_ONLY = Tier("gated", "dflash", "ngram", 1, dflash_text_types=("code",))
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("dflash")
-    repo = render_repository(RepositorySettings(DEMO / "target", max_num_seqs=4, max_model_len=512, max_draft_len=8,
+    repo = render_repository(DeploymentSettings(DEMO / "target", max_num_seqs=4, max_model_len=512, max_draft_len=8,
                                                 default_method="none",
                                                 drafters=(("dflash", str(DEMO / "dflash")),),
                                                 text_classifier=str(DEMO / "text_classifier"),
-                                                dflash_text_types=("code", "prose"), tiers=(CODE_ONLY,)),
+                                                dflash_text_types=("code", "prose"), tiers=(CODE_ONLY,),
+                                                draft_policy="fixed"),
                              root / "model_repository")
     with running_server(repo, root) as srv:
         yield srv

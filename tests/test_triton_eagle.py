@@ -18,13 +18,15 @@ import pytest
 
 from conftest import make_tiny_checkpoint
 from specserve.model.transformer import load_model
+from specserve.methods import registry
 from specserve.methods.eagle.drafter import save_eagle
 from specserve.methods.mtp.heads import MTPConfig, MTPHeads, _target_fields, save_mtp_heads
 from specserve.model.tiny import train_tiny_tokenizer
 from specserve.triton import drafters
 from specserve.triton.client import CompletionError, StreamClient
 from specserve.triton.launch import TritonServer
-from specserve.triton.render import RepositorySettings, render_repository
+from specserve.serving.settings import DeploymentSettings
+from specserve.triton.render import render_repository
 from streams import during_streams, scrape_metrics
 from test_eagle import random_drafter
 
@@ -52,9 +54,10 @@ def start_server(tmp_path_factory, placement: str):
                             target.lm_head.weight), root / "mtp")
     shutil.copytree(ckpt, root / "draft")
     drafted = (("eagle", str(root / "eagle")), ("mtp", str(root / "mtp")), ("draft", str(root / "draft")))
-    repo = render_repository(RepositorySettings(ckpt, max_num_seqs=16, max_model_len=256, max_draft_len=4,
+    repo = render_repository(DeploymentSettings(ckpt, max_num_seqs=16, max_model_len=256, max_draft_len=4,
                                                 default_method="eagle", drafters=drafted,
-                                                placement=placement, mtp_placement=placement, spec_threshold=None),
+                                                placement=placement, mtp_placement=placement,
+                                                spec_threshold=None, draft_policy="fixed"),
                              root / "model_repository")
     extra = ["--model-control-mode=explicit", "--load-model=*"] if placement == "remote" else []
     srv = TritonServer(repo, root, None, log_file=root / "tritonserver.log", exit_timeout_s=5,
@@ -129,7 +132,7 @@ def test_greedy_mtp_equals_none(request, placement):
         credited |= set(st["accepted_by_proposer"])
     assert credited == {"draft", "ngram"}
     plain = gen(srv, PROMPTS[0], "none").text
-    for sub in ("mtp_heads", "eagle", "draft"):
+    for sub in (m.name for m in registry.composite().members if m.drafter):   # every trained member
         alone = StreamClient(srv.grpc_url).generate(PROMPTS[0], {"max_tokens": 40, "spec_method": "mtp",
                                                                  "mtp_proposers": [sub]})
         assert alone.text == plain and alone.spec_stats["draft_tokens"] > 0, sub

@@ -24,9 +24,11 @@ import pytest
 import torch
 
 from conftest import make_tiny_checkpoint
+from specserve.methods import registry
 from specserve.triton.client import CompletionError, StreamClient, build_inputs
 from specserve.triton.launch import TritonServer
-from specserve.triton.render import RepositorySettings, render_repository
+from specserve.serving.settings import DeploymentSettings
+from specserve.triton.render import render_repository
 from specserve.model.tiny import train_tiny_tokenizer
 from streams import scrape_metrics
 
@@ -38,6 +40,9 @@ PROMPTS = [
     "中文 and 龘 and 🚀",          # 龘 is not in the tokenizer's corpus: three byte tokens
     "def add(a, b):\n    return",
 ]
+
+# Every method a deployment without drafters serves (those drafting with nothing).
+PLAIN_METHODS = registry.with_drafts("nothing")
 
 
 class Deployment:
@@ -52,8 +57,8 @@ class Deployment:
         extra = {"eos_token_id": None} if family == "qwen2" else {}
         make_tiny_checkpoint(self.ckpt, family, vocab_size=self.tokenizer.get_vocab_size(), seed=3,
                              max_position_embeddings=MAX_MODEL_LEN[family], **extra)
-        repo = render_repository(RepositorySettings(self.ckpt, max_num_seqs=16,
-                                                    max_model_len=MAX_MODEL_LEN[family]),
+        repo = render_repository(DeploymentSettings(self.ckpt, max_num_seqs=16,
+                                                    max_model_len=MAX_MODEL_LEN[family], draft_policy="fixed"),
                                  root / "model_repository")
         self.server = TritonServer(repo, root, None, log_file=root / "tritonserver.log",
                                    exit_timeout_s=5)
@@ -113,7 +118,7 @@ def test_a_prompt_splits_a_character_across_tokens(llama):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("method", ["none", "ngram"])
+@pytest.mark.parametrize("method", PLAIN_METHODS)
 def test_greedy_stream_equals_transformers(deployments, family, method):
     dep = deployments[family]
     client = dep.client()
@@ -142,7 +147,7 @@ def test_stream_false_returns_one_response_with_the_prompt(llama):
     assert streamed.chunks[0].startswith(PROMPTS[0]) and streamed.text == PROMPTS[0] + want
 
 
-@pytest.mark.parametrize("method", ["none", "ngram"])
+@pytest.mark.parametrize("method", PLAIN_METHODS)
 def test_seeded_sampling_is_reproducible(llama, method):
     params = {"max_tokens": 16, "temperature": 0.9, "top_p": 0.9, "top_k": 50, "seed": 7, "spec_method": method}
     a = llama.client().generate(PROMPTS[2], params)

@@ -60,13 +60,14 @@ def check(checkpoint: Path, methods: list[str], max_tokens: int, messages=CHAT_P
     """The differences found (empty: every method equals transformers on every prompt)."""
     import transformers
 
-    from specserve.serving.build import EngineSettings, build_engine
+    from specserve.serving.build import build_engine
+    from specserve.serving.settings import DeploymentSettings
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
     prompts = [chat_prompt_ids(tokenizer, m) for m in messages]
     ref = transformers_greedy(checkpoint, prompts, max_tokens)
-    engine, _ = build_engine(EngineSettings(checkpoint, max_num_seqs=len(prompts), max_model_len=1024,
-                                            device="cpu"))
+    engine, _ = build_engine(DeploymentSettings(checkpoint, max_num_seqs=len(prompts), max_model_len=1024,
+                                                 device="cpu", draft_policy="fixed"))
     problems = []
     for method in methods:
         got = engine_greedy(engine, prompts, method, max_tokens)

@@ -16,6 +16,7 @@ def check_checkpoint(target: Path, max_model_len: int | None) -> int:
     Returns the max_model_len to use."""
     from specserve.model.transformer import CheckpointError, load_config
     from specserve.model.tokenizer import TokenizerError, load_tokenizer
+    from specserve.serving.settings import default_max_model_len
 
     try:
         cfg = load_config(target)
@@ -26,7 +27,7 @@ def check_checkpoint(target: Path, max_model_len: int | None) -> int:
         raise CliError(f"cannot serve {target}: no *.safetensors weights")
     limit = cfg.max_position_embeddings
     if max_model_len is None:
-        return min(limit, 2048)
+        return default_max_model_len(limit)
     if not 0 < max_model_len <= limit:
         raise CliError(f"--max-model-len {max_model_len} must be in [1, {limit}] (the model's "
                        f"max_position_embeddings)")

@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     from specserve.cli.checks import CliError, check_checkpoint, resolve_drafters
     from specserve.triton.client import StreamClient
     from specserve.triton.launch import ServerStartError, TritonServer
-    from specserve.triton.render import RepositorySettings, render_repository
+    from specserve.serving.settings import DeploymentSettings
+    from specserve.triton.render import render_repository
 
     WORK.mkdir(parents=True, exist_ok=True)
     chat = args.target is None and not args.completions and _smollm2_installed()
@@ -91,13 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     methods = METHODS + tuple(m for m, _ in drafters)
     from specserve.serving.build import where_drafters_run
 
-    for line in where_drafters_run(drafters):
+    # Each request names its method; the demo shows each method's full drafts (fixed lengths).
+    settings = DeploymentSettings(target, max_num_seqs=4, max_model_len=max_len, drafters=drafters,
+                                  default_method="none", draft_policy="fixed")
+    for line in where_drafters_run(settings):
         print(f"specserve demo: {line}", flush=True)
     # A folder of its own per run: demos (and test runs) may overlap, and a second server must
     # never re-render the repository or backends a running one uses.
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=WORK))
-    repo = render_repository(RepositorySettings(target, max_num_seqs=4, max_model_len=max_len, drafters=drafters),
-                             run_dir / "model_repository")
+    repo = render_repository(settings, run_dir / "model_repository")
     server = TritonServer(repo, run_dir, None, log_file=run_dir / "tritonserver.log")
     ok = False
     t0 = time.monotonic()

@@ -14,13 +14,14 @@ import signal
 import socket
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from specserve.cli.checks import CliError, check_checkpoint, resolve_drafters
 from specserve.serving.auth import ADMIN_KEY_ENV, ADMIN_KEY_FILE
-from specserve.core.draft_policy import POLICIES
 from specserve.methods import registry
-from specserve.model.devices import DRAFTER_DTYPES, DTYPES
+
+if TYPE_CHECKING:
+    from specserve.serving.settings import DeploymentSettings
 
 # Kubernetes' terminationGracePeriodSeconds in deploy/k8s must exceed this (tests check it).
 DRAIN_TIMEOUT_S = 30.0
@@ -28,53 +29,30 @@ DRAIN_TIMEOUT_S = 30.0
 
 # -- serve ---------------------------------------------------------------------------------------
 def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from specserve.serving import settings
+
     p = sub.add_parser("serve", help="render a model repository for a checkpoint and run tritonserver",
                        description="Render a Triton model repository for a Hugging Face checkpoint folder "
                                    "(config.json, *.safetensors, tokenizer.json) and run tritonserver in "
                                    "the foreground. Ctrl-C stops it.")
-    p.add_argument("--target", required=True, type=Path, help="checkpoint folder of the target model")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=8001)
-    p.add_argument("--metrics-port", type=int, default=8002)
-    p.add_argument("--openai-port", type=int, default=None, metavar="N",
-                   help="also serve the OpenAI-compatible API (/v1/chat/completions, …) on this port")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded at once (KV slots)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="prompt + output tokens per sequence (default: min(model limit, 2048))")
-    p.add_argument("--max-draft-len", type=int, default=8, help="drafted tokens per step, at most")
-    p.add_argument("--default-method", default=None,
-                   help="speculation method for requests that do not set spec_method "
-                        "(default: eagle when a drafter is served, else none)")
+    # The deployment's settings: one flag per DeploymentSettings field (help, choices, default).
+    settings.add_arguments(p)
+    # What serve finds or resolves into settings, and the server process's own flags.
     p.add_argument("--drafter", action="append", default=[], metavar="METHOD=DIR",
                    help="serve a trained drafter, e.g. eagle=models/demo/eagle, dflash=models/demo/dflash or "
                         "draft=models/demo/draft (repeatable); without it, drafters in folders named after "
                         "their method beside the target are used")
     p.add_argument("--no-drafters", action="store_true", help="serve no drafter even if one is found")
-    p.add_argument("--placement", choices=registry.PLACEMENTS, default="fused",
-                   help="drafters inside the engine (fused) or as hot-loadable Triton models (remote, "
-                        "server in explicit model-control mode; see `specserve drafters`)")
-    p.add_argument("--mtp-placement", choices=registry.PLACEMENTS, default="remote",
-                   help="where mtp's drafters run: remote (the mtp_proposal ensemble: each drafter a hot-loadable "
-                        "Triton model, all in parallel; needs an EAGLE drafter, else mtp runs fused) or fused "
-                        "(one after another inside the engine)")
-    p.add_argument("--spec-threshold", type=float, default=0.3,
-                   help="EAGLE stops drafting when the calibration head's predicted cumulative "
-                        "acceptance falls below this, DFlash when the product of its top-1 probabilities "
-                        "does (a request may override it with spec_threshold)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32",
-                   help="compute dtype of the target; float32 (default) keeps greedy "
-                        "output token-exact vs plain decoding, bfloat16 is faster where the CPU/GPU has bf16 "
-                        "matmuls but may part from plain decoding at near-ties (bf16 rounding)")
-    p.add_argument("--drafter-dtype", choices=DRAFTER_DTYPES, default="auto",
-                   help="compute dtype of fused drafters (never changes the output, only the speed and the "
-                        "acceptance); auto = bfloat16 where the hardware has bf16 matmuls")
-    p.add_argument("--draft-policy", choices=POLICIES, default="adaptive",
-                   help="adaptive: each step drafts the length with the best expected goodput at the current "
-                        "load (verify costs profiled at start), so a busy server drafts less or not at all; "
-                        "fixed: always up to --max-draft-len. A request may choose with draft_policy")
-    p.add_argument("--max-queue-len", type=int, default=128,
-                   help="requests waiting for a KV slot, at most; beyond it requests are refused at once "
-                        "with 'server busy'")
+    p.add_argument("--no-text-gate", action="store_true", help="no text-type gate: dflash runs for every text")
+    p.add_argument("--tiers", type=Path, default=None, metavar="FILE",
+                   help="service tiers (e.g. config/tiers.yaml): one ensemble llm_<tier> per tier with "
+                        "its method, settings, max_tokens limit and scheduling priority; checked before the "
+                        "server starts")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--openai-port", type=int, default=None, metavar="N",
+                   help="also serve the OpenAI-compatible API (/v1/chat/completions, …) on this port")
     p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                    help="on SIGTERM / Ctrl-C: seconds in-flight requests may keep streaming to their end "
                         "(no new ones are accepted, the server reports not ready) before the rest are ended "
@@ -82,39 +60,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--admin-key-file", type=Path, default=None,
                    help=f"file holding the key that opens Triton's model-control and config endpoints "
                         f"(default: ${ADMIN_KEY_ENV}, else WORK_DIR/{ADMIN_KEY_FILE}, made at start)")
-    p.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]",
-                   help="where the target, its KV pool, fused drafters and the static step run "
-                        "(auto: CUDA when available); float32 keeps greedy output token-exact on either")
     p.add_argument("--work-dir", type=Path, default=Path("work_dirs/serve"),
                    help="where the rendered repository, backends and logs go")
-    p.add_argument("--tiers", type=Path, default=None, metavar="FILE",
-                   help="service tiers (e.g. config/tiers.yaml): one ensemble llm_<tier> per tier with "
-                        "its method, settings, max_tokens limit and scheduling priority; checked before the "
-                        "server starts")
-    _add_text_gate(p)
-    p.add_argument("--drafter-backend", choices=("python", "onnxruntime", "tensorrt"), default="python",
-                   help="remote drafter models (--placement remote) on onnxruntime inside a Python model "
-                        "(python), or on Triton's native onnxruntime / tensorrt backend where a model is "
-                        "stateless (the calibration head; eagle_backbone keeps per-sequence state and stays "
-                        "Python). The server must have that backend (the pip tritonserver has only python)")
     p.set_defaults(run=_serve)
-
-
-def _add_text_gate(p: argparse.ArgumentParser) -> None:
-    from specserve.serving.text_classifier import DEFAULT_DFLASH_TYPES, TEXT_TYPES
-
-    p.add_argument("--text-classifier", type=Path, default=None, metavar="DIR",
-                   help="text-type gate for dflash requests (specserve/serving/text_gate.py): a classifier folder "
-                        "(model.onnx + config.json), served as the hot-loadable model text_classifier; without "
-                        "it, a folder 'text_classifier' beside the target is used when dflash is served")
-    p.add_argument("--dflash-block-size", type=int, default=None, metavar="B",
-                   help="dflash's block size B for requests that do not set dflash_block_size (drafts up to "
-                        "B - 1 tokens per step, and at most --max-draft-len); default: the drafter's config.json")
-    p.add_argument("--no-text-gate", action="store_true", help="no text-type gate: dflash runs for every text")
-    p.add_argument("--dflash-text-types", default=",".join(DEFAULT_DFLASH_TYPES), metavar="TYPES",
-                   help=f"comma list of the text types ({', '.join(TEXT_TYPES)}) whose dflash requests keep "
-                        f"dflash; the others run their fallback (spec_fallback, else the tier's fallback, else "
-                        f"ngram). A tier's proposer.dflash_text_types overrides it (default: %(default)s)")
 
 
 def resolve_text_classifier(target: Path, flag: Path | None, disabled: bool, methods: list[str]) -> str | None:
@@ -167,47 +115,58 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _serve(args: argparse.Namespace) -> int:
+def serve_settings(args: argparse.Namespace) -> tuple["DeploymentSettings", list[str]]:
+    """serve's flags → the DeploymentSettings it serves, every check a user can fail made here,
+    before any server starts. Returns (settings, the methods it serves)."""
     from specserve.model.devices import resolve_device
     from specserve.serving.build import served_methods
-    from specserve.triton.launch import ServerStartError, WorkDirLock
+    from specserve.serving.settings import from_args
+    from specserve.serving.text_classifier import GateError, parse_text_types
 
-    max_len = check_checkpoint(args.target, args.max_model_len)
-    drafters = resolve_drafters(args.target, args.drafter, args.no_drafters)
+    target = args.checkpoint
+    max_len = check_checkpoint(target, args.max_model_len)
+    drafters = resolve_drafters(target, args.drafter, args.no_drafters)
     methods = served_methods(drafters)
     try:
         resolve_device(args.device)
     except ValueError as e:
         raise CliError(f"--device: {e}") from None
-    if args.default_method is None:
-        args.default_method = drafters[0][0] if drafters else "none"
-    if args.default_method not in methods:
-        raise CliError(f"--default-method {args.default_method!r} is not one of {', '.join(methods)}")
-    args.tier_list = _load_tiers(args.tiers, methods, args.max_draft_len, max_len)
-    from specserve.serving.text_classifier import GateError, parse_text_types
-
-    try:
-        args.dflash_types = parse_text_types(args.dflash_text_types)
+    found = dict(max_model_len=max_len, drafters=drafters)
+    default = from_args(args, **found).method_by_default()
+    if default not in methods:
+        raise CliError(f"--default-method {default!r} is not one of {', '.join(methods)}")
+    found["tiers"] = _load_tiers(args.tiers, methods, args.max_draft_len, max_len)
+    types = args.dflash_text_types
+    try:   # the flag is a comma list; its default is the settings' tuple
+        found["dflash_text_types"] = parse_text_types(types) if isinstance(types, str) else types
     except GateError as e:
         raise CliError(str(e)) from None
-    args.text_classifier = resolve_text_classifier(args.target, args.text_classifier, args.no_text_gate, methods)
-    if args.drafter_backend != "python" and args.placement != "remote":
-        raise CliError(f"--drafter-backend {args.drafter_backend} applies to remote drafter models; add "
+    found["text_classifier"] = resolve_text_classifier(target, args.text_classifier, args.no_text_gate, methods)
+    settings = from_args(args, default_method=default, **found)
+    if settings.drafter_backend != "python" and settings.placement != "remote":
+        raise CliError(f"--drafter-backend {settings.drafter_backend} applies to remote drafter models; add "
                        f"--placement remote (fused drafters run inside the engine)")
-    if args.drafter_backend != "python" and not drafters:
-        raise CliError(f"--drafter-backend {args.drafter_backend}: no drafter is served (--drafter METHOD=DIR)")
-    if args.dflash_block_size is not None:
+    if settings.drafter_backend != "python" and not drafters:
+        raise CliError(f"--drafter-backend {settings.drafter_backend}: no drafter is served (--drafter METHOD=DIR)")
+    if settings.block_size is not None:
         from specserve.serving.tiers import BLOCK_SIZE_RANGE
 
         if "dflash" not in methods:
             raise CliError("--dflash-block-size: no DFlash drafter is served (--drafter dflash=DIR)")
         lo, hi = BLOCK_SIZE_RANGE
-        if not lo <= args.dflash_block_size <= hi:
-            raise CliError(f"--dflash-block-size must be in [{lo}, {hi}], got {args.dflash_block_size}")
-    if args.max_num_seqs < 1:
+        if not lo <= settings.block_size <= hi:
+            raise CliError(f"--dflash-block-size must be in [{lo}, {hi}], got {settings.block_size}")
+    if settings.max_num_seqs < 1:
         raise CliError("--max-num-seqs must be at least 1")
-    if args.max_queue_len < 0:
+    if settings.max_queue_len < 0:
         raise CliError("--max-queue-len must be >= 0")
+    return settings, methods
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from specserve.triton.launch import ServerStartError, WorkDirLock
+
+    settings, methods = serve_settings(args)
     if args.drain_timeout < 0:
         raise CliError("--drain-timeout must be >= 0")
     for port, flag in ((args.http_port, "--http-port"), (args.grpc_port, "--grpc-port"),
@@ -219,36 +178,25 @@ def _serve(args: argparse.Namespace) -> int:
     except ServerStartError as e:
         raise CliError(str(e)) from None
     with lock:
-        return _run_server(args, work, max_len, methods, drafters)
+        return _run_server(args, settings, work, methods)
 
 
-def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: list[str],
-                drafters: tuple[tuple[str, str], ...]) -> int:
+def _run_server(args: argparse.Namespace, settings: "DeploymentSettings", work: Path, methods: list[str]) -> int:
     from specserve.triton import drafter_backends
     from specserve.serving.auth import resolve_admin_key
     from specserve.triton.launch import Ports, ServerStartError, TritonServer, prepare_backends
-    from specserve.triton.render import RepositorySettings, render_repository
+    from specserve.triton.render import render_repository
 
-    settings = RepositorySettings(args.target, max_num_seqs=args.max_num_seqs, max_model_len=max_len,
-                                  max_draft_len=args.max_draft_len,
-                                  default_method=args.default_method, drafters=drafters,
-                                  placement=args.placement, mtp_placement=args.mtp_placement,
-                                  spec_threshold=args.spec_threshold,
-                                  dtype=args.dtype, drafter_dtype=args.drafter_dtype, device=args.device,
-                                  max_queue_len=args.max_queue_len, draft_policy=args.draft_policy,
-                                  tiers=args.tier_list, drafter_backend=args.drafter_backend,
-                                  text_classifier=args.text_classifier, dflash_text_types=args.dflash_types,
-                                  block_size=args.dflash_block_size)
     # The drafter backend must be one this tritonserver has: checked before the (slow) ONNX
     # export, and every rendered config again after it.
     try:
         backend_dir = prepare_backends(work)
-        drafter_backends.check_available(args.drafter_backend, backend_dir)
+        drafter_backends.check_available(settings.drafter_backend, backend_dir)
         repo = render_repository(settings, work / "model_repository")
         drafter_backends.check_repository(repo, backend_dir)
     except (ServerStartError, drafter_backends.BackendError) as e:
         raise CliError(str(e)) from None
-    if args.drafter_backend != "python":
+    if settings.drafter_backend != "python":
         for name, why in drafter_backends.STATEFUL.items():
             print(f"specserve: {name} stays a Python model: {why}", flush=True)
     admin_key = resolve_admin_key(args.admin_key_file, work, create=True)
@@ -261,11 +209,12 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
     # runs in its own process group, so the signal reaches it only through server.stop().
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
-    print(f"specserve: serving {args.target} (max_model_len={max_len}, max_num_seqs={args.max_num_seqs}, "
-          f"methods: {', '.join(methods)}; default {args.default_method}; {args.dtype} on {args.device}) from {repo}", flush=True)
+    print(f"specserve: serving {settings.checkpoint} (max_model_len={settings.max_model_len}, "
+          f"max_num_seqs={settings.max_num_seqs}, methods: {', '.join(methods)}; default {settings.default_method}; "
+          f"{settings.dtype} on {settings.device}) from {repo}", flush=True)
     from specserve.serving.build import where_drafters_run
 
-    for line in where_drafters_run(drafters, args.placement, args.mtp_placement):
+    for line in where_drafters_run(settings):
         print(f"specserve: {line}", flush=True)
     # One try around everything after start: a signal can arrive at any point (even between
     # "ready" and the wait), and every exit path must take tritonserver down with us.
@@ -276,10 +225,10 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
               f"  gRPC     {server.grpc_url}   (model 'llm', streaming)\n"
               f"  HTTP     http://{server.http_url}/v2/models/llm/generate  |  /generate_stream\n"
               + "".join(f"  tier     {t.name}: model '{_tier_model(t.name)}' ({t.method or 'server default'}, "
-                        f"priority {t.priority})\n" for t in args.tier_list) +
+                        f"priority {t.priority})\n" for t in settings.tiers) +
               f"  metrics  {server.metrics_url}\n"
               f"  Ctrl-C to stop", flush=True)
-        openai = _start_openai(args, server, max_len)
+        openai = _start_openai(args.openai_port, server, settings)
         try:
             code = supervise(server)
         finally:
@@ -304,16 +253,16 @@ def _run_server(args: argparse.Namespace, work: Path, max_len: int, methods: lis
     return code
 
 
-def _start_openai(args: argparse.Namespace, server, max_len: int):
+def _start_openai(port: int | None, server, settings: "DeploymentSettings"):
     """The OpenAI API beside Triton (specserve/openai/), when --openai-port asks for it."""
-    if args.openai_port is None:
+    if port is None:
         return None
     from specserve.openai.server import make_server
 
     try:
-        api = make_server(server.grpc_url, args.openai_port, args.target, max_len, host="0.0.0.0").start()
+        api = make_server(server.grpc_url, port, settings.checkpoint, settings.max_model_len, host="0.0.0.0").start()
     except OSError as e:
-        raise CliError(f"--openai-port {args.openai_port}: {e}") from None
+        raise CliError(f"--openai-port {port}: {e}") from None
     print(f"  OpenAI   http://localhost:{api.port}/v1/chat/completions  |  /v1/completions  |  /v1/models",
           flush=True)
     return api

@@ -4,15 +4,16 @@ Which methods exist, what each drafts with and how it is built is the method reg
 (specserve/methods/registry.py); here the registry meets one deployment's settings. Shared by
 the target_verifier model, the CLI and benchmarks.
 
-Remote proposers call Triton models by BLS; those calls come from the Triton adapter
-(specserve.triton.bls.remote_calls) as RemoteCalls. An engine built without them (in process:
-the CLI's demo and bench, tests) runs every method fused.
+The deployment's settings are serving/settings.DeploymentSettings. Remote proposers call
+Triton models by BLS; those calls come from the Triton adapter (specserve.triton.bls.remote_calls)
+as RemoteCalls. An engine built without them (in process: benchmarks' drivers, tests) runs mtp
+fused whatever its placement says (where_drafters_run and the build log say so), and refuses a
+remote placement of a drafter.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,7 @@ from specserve.methods import registry
 from specserve.model.devices import DTYPES, resolve_device, resolve_drafter_dtype
 from specserve.model.tokenizer import load_tokenizer, make_decode
 from specserve.serving import fault_injection
+from specserve.serving.settings import DeploymentSettings
 
 log = logging.getLogger("specserve.factory")
 
@@ -27,43 +29,6 @@ if TYPE_CHECKING:
     from specserve.core.proposer import AnyProposer, RemoteCalls
 
 PLACEMENTS = registry.PLACEMENTS
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    checkpoint: Path
-    max_num_seqs: int = 16
-    max_model_len: int | None = None     # None → min(the model's max_position_embeddings, 2048)
-    max_draft_len: int = 8
-    default_method: str = "none"
-    drafters: tuple[tuple[str, str], ...] = ()  # (method, drafter folder), e.g. ("eagle", "models/demo/eagle")
-    placement: str = "fused"                    # where EAGLE's drafter runs: "fused" or "remote"
-    # Where mtp's drafters run: "remote": the mtp_proposal ensemble, every drafter a Triton model of
-    # its own, in parallel; it needs a served EAGLE drafter (the ensemble's EAGLE models), else mtp
-    # runs fused (mtp_runs_remote). "fused": one after another in the engine. Served deployments
-    # default to remote (RepositorySettings, `serve --mtp-placement`); an engine built in process,
-    # with no Triton to call, defaults to fused.
-    mtp_placement: str = "fused"
-    spec_threshold: float | None = 0.3          # calibration-head stop threshold (None: fixed length)
-    # Compute dtype of the target. float32 is exact: spec output equals plain
-    # decoding token for token. bfloat16 is faster on CPUs with bf16 matmuls (demo model through
-    # Triton: a 5.5-token verify 13.2 vs 19.7 ms, a plain step 12.5 vs 15.3 ms), but
-    # its kernels round differently for a 1-token step and a K+1-token verify, so outputs may
-    # part at near-ties (each is the target's greedy output up to bf16 rounding).
-    dtype: str = "float32"
-    # Compute dtype of fused drafters: "auto" = bfloat16 where the hardware has bf16 matmuls
-    # (CUDA, or a CPU with oneDNN bf16 support), else the target's. Never affects the output,
-    # which the target verifies; measured on the demo model: drafting 12.9 → 7.9 ms per step,
-    # acceptance length 4.11 → 4.15. Remote drafters run their exported fp32 ONNX models.
-    drafter_dtype: str = "auto"
-    # Where the target, its KV pool, fused drafters and the static step's state live:
-    # auto (CUDA when available), cpu, cuda or cuda:N.
-    device: str = "auto"
-    max_queue_len: int = 128   # requests waiting for a slot, at most (EngineConfig.max_queue_len)
-    draft_policy: str = "fixed"  # EngineConfig.draft_policy
-    # DFlash block size (drafts up to block_size - 1 per step, and at most max_draft_len);
-    # None → the drafter's config.json
-    block_size: int | None = None
 
 
 def static_methods(drafters: tuple[tuple[str, str], ...]) -> list[str]:
@@ -97,25 +62,42 @@ def mtp_runs_remote(mtp_placement: str, drafters: tuple[tuple[str, str], ...]) -
             and all(need in served for need in mtp.remote_needs))
 
 
-def where_drafters_run(drafters: tuple[tuple[str, str], ...], placement: str = "fused",
-                       mtp_placement: str = "remote") -> list[str]:
-    """One line per served drafter, and one for mtp, saying where it runs (for startup logs)."""
+def mtp_fused_because(settings: DeploymentSettings, bls_calls: bool) -> str | None:
+    """Why a served mtp whose placement is remote runs fused in this deployment (None: it does
+    not, or its placement is fused)."""
+    mtp = registry.composite()
+    if settings.mtp_placement != "remote" or mtp.name not in served_methods(settings.drafters):
+        return None
+    if not bls_calls:
+        return "built in process, with no BLS calls to make"
+    if not mtp_runs_remote(settings.mtp_placement, settings.drafters):
+        needs = " and ".join(f"an {n.upper()} drafter" for n in mtp.remote_needs)
+        return f"remote needs {needs}"
+    return None
+
+
+def where_drafters_run(settings: DeploymentSettings, bls_calls: bool = True) -> list[str]:
+    """One line per served drafter, and one for mtp, saying where it runs (for startup logs).
+    `bls_calls`: whether the engine gets BLS calls (it does inside target_verifier; built in
+    process it does not, and runs everything fused)."""
     from specserve.core.paths import shown
 
     mtp = registry.composite()
+    drafters = settings.drafters
     served = mtp.name in served_methods(drafters)
-    remote_mtp = served and mtp_runs_remote(mtp_placement, drafters)
+    remote_mtp = served and bls_calls and mtp_runs_remote(settings.mtp_placement, drafters)
     lines = []
     for method, folder in drafters:
         if method == mtp.name:   # the MTP heads run where mtp does
             where = "remote" if remote_mtp else "fused"
+        elif registry.get(method).fused_only and settings.placement == "remote":
+            where = "fused: no remote export"
         else:
-            where = "fused: no remote export" if registry.get(method).fused_only and placement == "remote" else placement
+            where = settings.placement
         lines.append(f"drafter {method} from {shown(folder)} ({where})")
     if served:
-        needs = " and ".join(f"an {n.upper()} drafter" for n in mtp.remote_needs)
-        where = ("remote: the mtp_proposal ensemble" if remote_mtp
-                 else "fused" + (f": remote needs {needs}" if mtp_placement == "remote" else ""))
+        why = mtp_fused_because(settings, bls_calls)
+        where = "remote: the mtp_proposal ensemble" if remote_mtp else "fused" + (f": {why}" if why else "")
         lines.append(f"mtp merges {', '.join(mtp_subproposers(drafters))} ({where})")
     return lines
 
@@ -125,18 +107,7 @@ def served_methods(drafters: tuple[tuple[str, str], ...]) -> list[str]:
     return [*plain, *(m for m, _ in drafters), *static_methods(drafters), *composite_methods(drafters)]
 
 
-def available_methods(settings: EngineSettings) -> list[str]:
-    return served_methods(settings.drafters)
-
-
-
-
-def default_max_model_len(checkpoint: str | Path) -> int:
-    from specserve.model.transformer import load_config
-    return min(load_config(checkpoint).max_position_embeddings, 2048)
-
-
-def _placement(spec: registry.MethodSpec, settings: EngineSettings, remote: "RemoteCalls | None") -> str:
+def _placement(spec: registry.MethodSpec, settings: DeploymentSettings, remote: "RemoteCalls | None") -> str:
     """Where `spec` runs in this deployment: the composite by its own placement (remote only with
     BLS calls to make), a drafter by the deployment's placement where it has a remote one."""
     if spec.drafts_with == "composite":
@@ -146,7 +117,7 @@ def _placement(spec: registry.MethodSpec, settings: EngineSettings, remote: "Rem
     return settings.placement if settings.placement in spec.placements else "fused"
 
 
-def build_proposers(model, settings: EngineSettings, max_len: int,
+def build_proposers(model, settings: DeploymentSettings, max_len: int,
                     remote: "RemoteCalls | None" = None) -> dict[str, "AnyProposer"]:
     """Every served method's proposer but none's (the engine's own), in the registry's order of
     kinds: those drafting with nothing, with their own drafter, then the composite (over the
@@ -163,10 +134,9 @@ def build_proposers(model, settings: EngineSettings, max_len: int,
             if spec.drafts_with != kind or spec.builder is None or spec.name not in served:
                 continue
             placement = _placement(spec, settings, remote)
-            if spec.drafts_with == "composite" and placement == "fused" and settings.mtp_placement == "remote":
-                log.warning("%s runs fused: %s", spec.name,
-                            "its remote placement needs an EAGLE drafter (mtp_proposal's EAGLE models), and none is served"
-                            if remote is not None else "built in process, with no BLS calls to make")
+            why = mtp_fused_because(settings, remote is not None) if spec.drafts_with == "composite" else None
+            if why:
+                log.warning("%s runs fused: %s", spec.name, why)
             ctx = registry.BuildContext(model, Path(settings.checkpoint), folders.get(spec.name), settings.drafters,
                                         proposers, settings.max_num_seqs, max_len, settings.max_draft_len,
                                         settings.spec_threshold, dtype, settings.block_size, placement, remote)
@@ -174,11 +144,11 @@ def build_proposers(model, settings: EngineSettings, max_len: int,
     return proposers
 
 
-def build_engine(settings: EngineSettings, remote: "RemoteCalls | None" = None):
+def build_engine(settings: DeploymentSettings, remote: "RemoteCalls | None" = None):
     """→ (Engine, tokenizers.Tokenizer). Raises CheckpointError for an unusable checkpoint.
-    `remote`: the BLS calls of remote proposers (the target_verifier adapter's); None builds every
-    method fused."""
-    from specserve.core.engine import Engine, EngineConfig
+    `remote`: the BLS calls of remote proposers (the target_verifier adapter's); None: built in
+    process, where mtp runs fused (logged) and a remote placement of a drafter is refused."""
+    from specserve.core.engine import Engine
     from specserve.model.transformer import load_model
 
     import torch
@@ -188,11 +158,8 @@ def build_engine(settings: EngineSettings, remote: "RemoteCalls | None" = None):
     tokenizer = load_tokenizer(settings.checkpoint)
     model = load_model(settings.checkpoint, dtype=getattr(torch, settings.dtype),
                        device=resolve_device(settings.device))
-    max_len = settings.max_model_len or default_max_model_len(settings.checkpoint)
-    config = EngineConfig(max_num_seqs=settings.max_num_seqs, max_model_len=max_len,
-                          max_draft_len=settings.max_draft_len, default_method=settings.default_method,
-                          max_queue_len=settings.max_queue_len, draft_policy=settings.draft_policy)
-    proposers = build_proposers(model, settings, max_len, remote)
+    config = settings.engine_config()
+    proposers = build_proposers(model, settings, config.max_model_len, remote)
     fault_injection.inject(proposers)   # a no-op unless a test asks for it
     engine = Engine(model, config, proposers, detokenize=make_decode(tokenizer))
     if model.device.type == "cuda":  # capture the static-step graphs now, not on a request's path

@@ -73,28 +73,24 @@ def _try(spec: ModelSpec, inputs: dict[str, np.ndarray], outputs: tuple[str, ...
         return None
 
 
-def _eagle_alone(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
-    """EAGLE's part of mtp_proposal by BLS: eagle_backbone, then calibration_head (without it
-    EAGLE's chain is not cut: accept_prob left out). None: eagle_backbone is down."""
-    eagle_in = tuple(t.name for t in schema.EAGLE_PROPOSAL.inputs)
-    backbone = _try(schema.EAGLE_BACKBONE, {k: inputs[k] for k in eagle_in},
-                    (schema.DRAFT_TOKENS.name, schema.DRAFT_HIDDEN.name, schema.DRAFT_SCALARS.name, schema.UNKNOWN.name))
-    if backbone is None:
-        return None
-    out = {k: backbone[k] for k in (schema.DRAFT_TOKENS.name, schema.DRAFT_SCALARS.name, schema.UNKNOWN.name)}
-    cal = _try(schema.CALIBRATION_HEAD, {schema.DRAFT_HIDDEN.name: backbone[schema.DRAFT_HIDDEN.name],
-                                         schema.DRAFT_SCALARS.name: backbone[schema.DRAFT_SCALARS.name]},
-               (schema.ACCEPT_PROB.name,))
-    return out if cal is None else {**out, **cal}
-
-
 def _drafter_alone(name: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
-    """Sub-proposer `name`'s drafter models of mtp_proposal by BLS; None when they are down."""
-    if name == "eagle":
-        return _eagle_alone(inputs)
-    (spec,) = schema.MTP_DRAFTERS[name]   # one stateless-to-the-engine model each
-    return _try(spec, {t.name: inputs[t.name] for t in spec.inputs if t.name in inputs},
-                tuple(t.name for t in spec.outputs))
+    """Member `name`'s drafter models of mtp_proposal by BLS, in the order its registry entry
+    lists them (Member.triton_models): the first drafts (None when it is down); each later one
+    works on what came before and is left out when down (EAGLE's calibration_head: without it
+    EAGLE's chain is not cut). Returns what mtp_arbiter reads, and `unknown`."""
+    first, *rest = schema.MTP_DRAFTERS[name]
+    got = _try(first, _inputs_for(first, inputs), tuple(t.name for t in first.outputs))
+    if got is None:
+        return None
+    for spec in rest:
+        more = _try(spec, _inputs_for(spec, {**inputs, **got}), tuple(t.name for t in spec.outputs))
+        got.update(more or {})
+    wanted = {t.name for t in schema.MTP_ARBITER.inputs} | {schema.UNKNOWN.name}
+    return {k: v for k, v in got.items() if k in wanted}
+
+
+def _inputs_for(spec: ModelSpec, available: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {t.name: available[t.name] for t in spec.inputs if t.name in available}
 
 
 def mtp_call(served: list[str] | tuple[str, ...]):

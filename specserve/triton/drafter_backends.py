@@ -25,9 +25,9 @@ from pathlib import Path
 
 from specserve.serving import schema
 from specserve.serving.schema import ModelSpec
+from specserve.serving.settings import DRAFTER_BACKENDS as BACKENDS
 from specserve.triton.pbtxt import tensors
 
-BACKENDS = ("python", "onnxruntime", "tensorrt")
 PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan"}
 MODEL_FILES = {"onnxruntime": "model.onnx", "tensorrt": "model.plan"}
 # Drafter models that must stay Python models, and why.

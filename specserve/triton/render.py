@@ -1,8 +1,9 @@
 """Render the model repository that Triton serves for one checkpoint.
 
 `model_repository/<model>/1/model.py` are the adapters (checked in); every `config.pbtxt` is
-written here from `schema.py`, never by hand. Deployment settings (checkpoint path, engine sizes)
-travel as model config parameters, because ensembles cannot carry constants (docs/design.md, 'The shape').
+written here from `schema.py`, never by hand. A deployment's settings (serving/settings.py)
+travel as model config parameters, because ensembles cannot carry constants (docs/design.md, 'The shape'):
+target_verifier's are DeploymentSettings.to_params(), which the adapter reads back with from_params().
 
     work_dir/model_repository/
       preprocess/       config.pbtxt  1/model.py
@@ -34,77 +35,17 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from specserve.serving.text_classifier import DEFAULT_DFLASH_TYPES
 from specserve.serving import schema
-from specserve.serving.auth import new_key
 from specserve.methods import registry
-from specserve.serving.build import EngineSettings, mtp_runs_remote
+from specserve.serving.build import mtp_runs_remote
 from specserve.serving.schema import ModelSpec
+from specserve.serving.settings import DeploymentSettings
 from specserve.serving.tiers import Tier
 from specserve.triton.pbtxt import tensors
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "model_repository"
-
-
-@dataclass(frozen=True)
-class RepositorySettings:
-    checkpoint: Path
-    max_num_seqs: int = 16
-    max_model_len: int = 2048
-    max_draft_len: int = 8
-    default_method: str = "none"
-    tier: str = "default"
-    drafters: tuple[tuple[str, str], ...] = ()  # (method, drafter folder)
-    placement: str = "fused"
-    mtp_placement: str = "remote"   # EngineSettings.mtp_placement; served deployments default to remote
-    spec_threshold: float | None = 0.3
-    dtype: str = "float32"
-    drafter_dtype: str = "auto"
-    device: str = "auto"  # the engine's device: auto | cpu | cuda[:N] (factory.resolve_device)
-    max_queue_len: int = 128
-    draft_policy: str = "fixed"   # `specserve serve` defaults to "adaptive" (draft_policy.py)
-    # Service tiers (tiers.py): one llm_<tier> + preprocess_<tier> each; a tier named "default"
-    # sets llm's own settings.
-    tiers: tuple[Tier, ...] = ()
-    # How remote drafter models run: "python" (onnxruntime inside a Python model), or Triton's
-    # native "onnxruntime" / "tensorrt" backends where a model is stateless (drafter_backends.py).
-    drafter_backend: str = "python"
-    # The text-type gate (text_gate.py): a classifier folder (model.onnx + config.json) served as
-    # text_classifier, and the text types whose dflash requests keep dflash (a tier's
-    # proposer.dflash_text_types overrides them). None: no gate, dflash runs for every text.
-    text_classifier: str | None = None
-    dflash_text_types: tuple[str, ...] = DEFAULT_DFLASH_TYPES
-    block_size: int | None = None   # dflash's default block size (EngineSettings.block_size)
-    # Signs preprocess → target_verifier and authorises internal calls (auth.py). A fresh one per
-    # rendering; Triton's model-config endpoint, which would show it, is admin-only.
-    internal_key: str = field(default_factory=new_key, repr=False)
-
-
-def encode_drafters(drafters: tuple[tuple[str, str], ...]) -> str:
-    """(method, folder) pairs as one config parameter string: "eagle=/abs/path;…"."""
-    return ";".join(f"{m}={Path(f).resolve()}" for m, f in drafters)
-
-
-def decode_drafters(text: str) -> tuple[tuple[str, str], ...]:
-    return tuple(tuple(item.split("=", 1)) for item in text.split(";") if item)  # type: ignore[misc]
-
-
-def verifier_settings(p: dict[str, str]) -> EngineSettings:
-    """target_verifier's config.pbtxt parameters (as render_repository writes them) → the engine's
-    settings: the inverse of the target_verifier entry of render_repository's params."""
-    return EngineSettings(checkpoint=Path(p["checkpoint"]), max_num_seqs=int(p["max_num_seqs"]),
-                          max_model_len=int(p["max_model_len"]), max_draft_len=int(p["max_draft_len"]),
-                          default_method=p["default_method"], drafters=decode_drafters(p.get("drafters", "")),
-                          placement=p.get("placement", "fused"), mtp_placement=p.get("mtp_placement", "remote"),
-                          dtype=p.get("dtype", "float32"),
-                          drafter_dtype=p.get("drafter_dtype", "auto"), device=p.get("device", "auto"),
-                          spec_threshold=float(p["spec_threshold"]) if p.get("spec_threshold") else None,
-                          max_queue_len=int(p.get("max_queue_len", 128)),
-                          draft_policy=p.get("draft_policy", "fixed"),
-                          block_size=int(p["block_size"]) if p.get("block_size") else None)
 
 
 def _quote(value: object) -> str:
@@ -145,7 +86,7 @@ def ensemble_config(spec: ModelSpec, steps: tuple[ModelSpec, ...]) -> str:
             + "ensemble_scheduling {\n  step [\n" + ",\n".join(step(m) for m in steps) + "\n  ]\n}\n")
 
 
-def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
+def render_repository(settings: DeploymentSettings, out_dir: Path) -> Path:
     """Write the repository under out_dir (replacing an earlier rendering); returns its path."""
     if not TEMPLATES.is_dir():
         raise FileNotFoundError(f"model templates not found at {TEMPLATES}; specserve must be installed "
@@ -153,28 +94,15 @@ def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
     repo = Path(out_dir)
     if repo.exists():
         shutil.rmtree(repo)
+    settings = settings.resolved()   # every model sees the same max_model_len and default method
     ckpt = str(Path(settings.checkpoint).resolve())
     params = {
-        schema.PREPROCESS.name: {"checkpoint": ckpt, "tier": settings.tier,
+        schema.PREPROCESS.name: {"checkpoint": ckpt, "tier": schema.DEFAULT_TIER,
                                  "max_model_len": settings.max_model_len,
                                  "internal_key": settings.internal_key,
                                  "default_method": settings.default_method,
                                  "text_gate": text_gate_parameter(settings)},
-        schema.TARGET_VERIFIER.name: {"checkpoint": ckpt, "max_num_seqs": settings.max_num_seqs,
-                                      "max_model_len": settings.max_model_len,
-                                      "max_draft_len": settings.max_draft_len,
-                                      "default_method": settings.default_method,
-                                      "drafters": encode_drafters(settings.drafters),
-                                      "placement": settings.placement,
-                                      "mtp_placement": settings.mtp_placement, "dtype": settings.dtype,
-                                      "drafter_dtype": settings.drafter_dtype,
-                                      "device": settings.device,
-                                      "spec_threshold": "" if settings.spec_threshold is None
-                                      else settings.spec_threshold,
-                                      "max_queue_len": settings.max_queue_len,
-                                      "draft_policy": settings.draft_policy,
-                                      "block_size": "" if settings.block_size is None else settings.block_size,
-                                      "internal_key": settings.internal_key},
+        schema.TARGET_VERIFIER.name: settings.to_params(),
         schema.POSTPROCESS.name: {"checkpoint": ckpt, "internal_key": settings.internal_key},
     }
     for spec in schema.ENSEMBLE_STEPS:
@@ -206,7 +134,7 @@ def render_repository(settings: RepositorySettings, out_dir: Path) -> Path:
     return repo
 
 
-def text_gate_parameter(settings: RepositorySettings) -> str:
+def text_gate_parameter(settings: DeploymentSettings) -> str:
     """preprocess's `text_gate` parameter: "" without a classifier, else the gate's settings."""
     from specserve.serving.text_classifier import check_text_types
 
@@ -234,7 +162,7 @@ def render_text_classifier(folder: Path, repo: Path, *, version: int) -> None:
     (repo / spec.name / "config.pbtxt").write_text(python_model_config(spec, {}))
 
 
-def render_mtp_proposal(settings: RepositorySettings, repo: Path) -> None:
+def render_mtp_proposal(settings: DeploymentSettings, repo: Path) -> None:
     """mtp_proposal and its own models: ngram_drafter and mtp_arbiter always, mtp_heads and
     draft_drafter where their weights are served (factory.mtp_subproposers, as the engine's
     remote mtp); the EAGLE models are render_eagle_proposal's."""
@@ -272,7 +200,7 @@ def render_mtp_heads(checkpoint: Path, folder: Path, repo: Path, *, version: int
     (repo / schema.MTP_HEADS.name / "config.pbtxt").write_text(python_model_config(schema.MTP_HEADS, {}))
 
 
-def render_draft_drafter(settings: RepositorySettings, folder: Path, repo: Path, *, version: int) -> None:
+def render_draft_drafter(settings: DeploymentSettings, folder: Path, repo: Path, *, version: int) -> None:
     """Version `version` of draft_drafter: a copy of the draft model's folder (its config, weights
     and tokenizer), refused here already when its tokenizer does not give the target's ids."""
     from specserve.methods.draft.drafter import check_tokenizer
@@ -285,7 +213,7 @@ def render_draft_drafter(settings: RepositorySettings, folder: Path, repo: Path,
         if f.is_file() and f.suffix in (".json", ".safetensors"):
             shutil.copy2(f, dest / f.name)
     params = {"checkpoint": str(Path(settings.checkpoint).resolve()), "max_num_seqs": settings.max_num_seqs,
-              "max_model_len": settings.max_model_len, "max_draft_len": settings.max_draft_len,
+              "max_model_len": settings.model_len(), "max_draft_len": settings.max_draft_len,
               "drafter_dtype": settings.drafter_dtype, "device": settings.device}
     (repo / schema.DRAFT_DRAFTER.name / "config.pbtxt").write_text(python_model_config(schema.DRAFT_DRAFTER, params))
 

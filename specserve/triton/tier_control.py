@@ -76,12 +76,11 @@ def _params(config: dict) -> dict[str, str]:
 def server_limits(client, key: str | None) -> ServerLimits:
     """What the running server serves, from target_verifier's rendered parameters."""
     from specserve.methods import registry
-    from specserve.serving.build import EngineSettings, available_methods
-    from specserve.triton.render import decode_drafters
+    from specserve.serving.build import served_methods
+    from specserve.serving.settings import DeploymentSettings
 
-    p = _params(_config(client, schema.TARGET_VERIFIER.name, key))
-    settings = EngineSettings(Path(p["checkpoint"]), drafters=decode_drafters(p.get("drafters", "")))
-    return ServerLimits(tuple(available_methods(settings)), int(p["max_draft_len"]), int(p["max_model_len"]),
+    settings = DeploymentSettings.from_params(_params(_config(client, schema.TARGET_VERIFIER.name, key)))
+    return ServerLimits(tuple(served_methods(settings.drafters)), settings.max_draft_len, settings.model_len(),
                         drafted=registry.borrowed())
 
 

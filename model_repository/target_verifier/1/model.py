@@ -18,7 +18,7 @@ from specserve.triton import bls, pb
 from specserve.serving.build import build_engine
 from specserve.triton.metrics import TritonMetrics
 from specserve.serving.params import RequestConfig
-from specserve.triton.render import verifier_settings
+from specserve.serving.settings import DeploymentSettings
 from specserve.serving.verifier_service import VerifierResponse, VerifierService
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -59,7 +59,7 @@ class TritonPythonModel:
         pb.route_logging()
         p = pb.model_parameters(args)
         self.key = p["internal_key"]
-        settings = verifier_settings(p)
+        settings = DeploymentSettings.from_params(p)
         self.metrics = TritonMetrics(pb_utils)
         # Built on the engine's own thread: a model loaded on another thread decodes slower.
         # Remote proposers call their Triton models by BLS: the calls are made here, in the only

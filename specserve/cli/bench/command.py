@@ -119,7 +119,8 @@ def _server(args: argparse.Namespace, checkpoint: Path | None, max_len: int, out
         return
     from specserve.cli.checks import CliError, resolve_drafters
     from specserve.triton.launch import TritonServer
-    from specserve.triton.render import RepositorySettings, render_repository
+    from specserve.serving.settings import DeploymentSettings
+    from specserve.triton.render import render_repository
 
     try:
         drafters = resolve_drafters(Path(checkpoint), args.drafter, args.no_drafters)
@@ -127,13 +128,14 @@ def _server(args: argparse.Namespace, checkpoint: Path | None, max_len: int, out
         raise SystemExit(f"specserve bench: {e}") from None
     from specserve.serving.build import where_drafters_run
 
-    for line in where_drafters_run(drafters):
+    # Every method is asked for by name; drafted lengths are fixed, as the figures always were.
+    settings = DeploymentSettings(checkpoint, max_num_seqs=args.max_num_seqs, max_model_len=max_len,
+                                  drafters=drafters, default_method="none", draft_policy="fixed")
+    for line in where_drafters_run(settings):
         log(f"bench: serving {line}")
     work = Path(tempfile.mkdtemp(prefix="specserve-bench-"))
     try:
-        repo = render_repository(RepositorySettings(checkpoint, max_num_seqs=args.max_num_seqs,
-                                                    max_model_len=max_len, drafters=drafters),
-                                 work / "model_repository")
+        repo = render_repository(settings, work / "model_repository")
         server = TritonServer(repo, work, None, log_file=out / "tritonserver.log", exit_timeout_s=5)
         log(f"bench: starting tritonserver (log: {server.log_file})")
         try:
@@ -185,14 +187,14 @@ def run(args: argparse.Namespace) -> dict:
     from specserve.cli.bench import report as report_mod
     from specserve.cli.bench.runner import StreamDriver, run_phase
     from specserve.cli.bench.workload import build_workload, describe, text_source
-    from specserve.serving.build import default_max_model_len
     from specserve.model.tokenizer import load_tokenizer
+    from specserve.serving.settings import DeploymentSettings
 
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     cfg = _resolve(args)
     notes: list[str] = []
     checkpoint, kind = _model(args, notes)
-    max_len = args.max_model_len or (default_max_model_len(checkpoint) if checkpoint else 2048)
+    max_len = args.max_model_len or (DeploymentSettings(checkpoint).model_len() if checkpoint else 2048)
     requested = [m.strip() for m in args.methods.split(",") if m.strip()]
     # Every ratio is to `none` measured in the same run.
     methods = requested if "none" in requested else ["none", *requested]
