@@ -8,8 +8,8 @@ models/demo/heldout_prompts.jsonl (code and prose alternated: serving_phases.alt
 all requests of one (method, temperature, mode) in one batch, `ignore_eos` so every request
 makes --new-tokens tokens. Unseeded requests draw from fresh random generators, so their
 numbers move a little from run to run; the seeded ones are the same every run.
-Acceptance length = (accepted + steps) / steps over all requests (docs/design.md, 'State and
-verification'). It also checks that every seeded output equals `none`'s for its seed.
+Acceptance length = (accepted + steps) / steps over all requests
+(docs/design.md, 'State and verification'). It also checks that every seeded output equals `none`'s for its seed.
 """
 
 from __future__ import annotations
