@@ -120,7 +120,7 @@ class DraftModelProposer(ProposerDefaults):
         while active:
             for b in active:
                 r = requests[b]
-                if r.seed is not None:   # seeded: the coupled choice (a point mass for verification)
+                if r.seed is not None:   # seeded: the coupled choice; q as for greedy rows (unused by verify)
                     q = logits[b].softmax(-1)
                     tok = seeded_tokens(logits[b:b + 1], r.params, [len(r.token_ids) + len(tokens[b])])[0]
                 elif r.generator is None:
