@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -62,11 +63,18 @@ def test_greedy_eagle_equals_plain_decoding(target_path, threshold):
 
 def two_token_joint_tv(target, engine, method: str, n: int = 3000) -> float:
     """Total variation between the generated joint of tokens 2 and 3 (drafted and verified in one
-    step) and the exact target joint, over n seeded requests of `method` on `target` (vocab 8)."""
+    step) and the exact target joint, over n unseeded requests of `method` on `target` (vocab 8):
+    the rejection sampler. Their generators are seeded 0..n-1 in submission order so the run is
+    repeatable (a `seed` in the request would route it to seeded sampling, tests/test_seeded.py)."""
+    from unittest import mock
+
     params = dict(temperature=1.0, top_k=6)
     prompt = [1, 3, 5]
-    outs = engine.generate([GenerationRequest(str(i), prompt, SamplingParams(max_tokens=4, seed=i, **params),
-                                              method) for i in range(n)])
+    streams = itertools.count()
+    repeatable = lambda _params, device: torch.Generator(device=device).manual_seed(next(streams))  # noqa: E731
+    with mock.patch("specserve.core.engine.make_generator", repeatable):
+        outs = engine.generate([GenerationRequest(str(i), prompt, SamplingParams(max_tokens=4, **params), method)
+                                for i in range(n)])
     counts = torch.zeros(8, 8)
     for o in outs.values():
         counts[o.new_token_ids[1], o.new_token_ids[2]] += 1

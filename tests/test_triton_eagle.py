@@ -330,3 +330,54 @@ def test_a_killed_drafter_stub_fails_no_request(server):
     want = gen(server, PROMPTS[2], "none")
     after = gen(server, PROMPTS[2], "eagle")
     assert after.text == want.text and after.spec_stats["proposer_errors"] > 0
+
+
+# -- seeded sampling: the seed alone decides the text (core/sampling.py) ---------------------------------
+
+SEEDED = [{"temperature": 0.7, "top_k": 50, "seed": 11}, {"temperature": 1.0, "top_p": 0.9, "seed": 12},
+          {"temperature": 1.0, "seed": 13}]
+
+
+def seeded(srv, prompt, method, sampling, max_tokens=40, on_chunk=None):
+    return StreamClient(srv.grpc_url).generate(
+        prompt, {"max_tokens": max_tokens, "ignore_eos": True, "spec_method": method, **sampling},
+        on_chunk=on_chunk, timeout=300)
+
+
+def test_seeded_sampling_equals_none_alone_and_in_a_mixed_batch(server):
+    """Through the server (remote drafters, which draft greedily for seeded rows: exact, accepted
+    less often): each method's seeded text is none's for the same seed, alone and among
+    concurrent requests of other methods, seeds, draft caps and policies, unseeded and greedy."""
+    methods = ["eagle", "mtp", "draft", "ngram"]
+    cases = [(p, s) for p in PROMPTS[:2] for s in SEEDED]
+    want = {(p, i): seeded(server, p, "none", s).text for p, s in cases for i in [SEEDED.index(s)]}
+    for m in methods:
+        for p, s in cases:
+            got = seeded(server, p, m, s)
+            assert got.text == want[(p, SEEDED.index(s))], (m, p, s)
+            assert got.spec_stats["method"] == m and got.spec_stats["proposer_errors"] == 0
+    jobs = [(m, p, s, {}) for m in methods for p, s in cases[::2]]
+    jobs += [("eagle", PROMPTS[0], SEEDED[0], {"num_draft_tokens": 1}), ("mtp", PROMPTS[1], SEEDED[1],
+             {"draft_policy": "adaptive"}), ("eagle", PROMPTS[2], {"temperature": 1.0}, {}), ("draft", PROMPTS[3], {}, {})]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda j: seeded(server, j[1], j[0], {**j[2], **j[3]}), jobs))
+    for (m, p, s, _), r in zip(jobs, results):
+        if "seed" in s:
+            assert r.text == want[(p, SEEDED.index(s))], (m, p, s)
+    assert all(r.finish_reason == "length" for r in results)
+
+
+def test_seeded_streams_keep_their_text_when_the_drafter_is_unloaded(server):
+    """8 seeded eagle streams; eagle_proposal is unloaded and loaded again while they run: the
+    rows decode plainly meanwhile and every text is none's for its seed."""
+    jobs = [(PROMPTS[i % 2], SEEDED[i % 3]) for i in range(8)]
+    want = {(p, s["seed"]): seeded(server, p, "none", s, 160).text for p, s in jobs}
+
+    def unload_and_reload():
+        drafters.unload(server.grpc_url, "eagle_proposal", server.admin_key)
+        drafters.load(server.grpc_url, "eagle_proposal", server.admin_key)
+
+    results, _ = during_streams(lambda j, on_chunk: seeded(server, j[0], "eagle", j[1], 160, on_chunk),
+                                jobs, unload_and_reload)
+    for (p, s), r in zip(jobs, results):
+        assert r.text == want[(p, s["seed"])], (p, s)

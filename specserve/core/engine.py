@@ -38,7 +38,7 @@ from specserve.core.forward import ForwardBatch, ForwardOutput, TargetModel
 from specserve.core.masks import build_mask
 from specserve.core.proposer import (AnyProposer, Draft, DraftRequest, Proposer, ProposerError, ProposerUnavailable,
                                       StaticStepProposer, StepOutcome)
-from specserve.core.sampling import SamplingParams, make_generator, sample, target_probs
+from specserve.core.sampling import SamplingParams, make_generator, sample, seeded, seeded_tokens, target_probs
 from specserve.core.verify import Verdict, verify
 
 log = logging.getLogger("specserve.core.engine")
@@ -169,7 +169,7 @@ class _Sequence:
     seq_id: int
     req: GenerationRequest
     proposer: AnyProposer
-    generator: torch.Generator | None
+    generator: torch.Generator | None   # unseeded sampled requests only (seeded ones use `seed`)
     stats: SpecStats
     tokens: list[int]              # prompt + emitted; the last one is pending (no KV yet)
     num_prompt: int
@@ -193,6 +193,11 @@ class _Sequence:
     @property
     def priority(self) -> int:
         return self.req.priority
+
+    @property
+    def seed(self) -> int | None:
+        """The seed of a seeded sampled request: its tokens come from per-position noise."""
+        return self.req.params.seed if seeded(self.req.params) else None
 
     @property
     def num_output(self) -> int:
@@ -358,7 +363,8 @@ class Engine:
             self.check(req)
         method = req.method or self.cfg.default_method
         seq = _Sequence(seq_id=next(self._ids), req=req, proposer=self.proposers[method],
-                        generator=None if req.params.greedy else make_generator(req.params, self.model.device),
+                        generator=(None if req.params.greedy or seeded(req.params)
+                                   else make_generator(req.params, self.model.device)),
                         stats=SpecStats(method), tokens=list(req.prompt_ids),
                         num_prompt=len(req.prompt_ids), enqueued_step=self._steps)
         self._waiting.append(seq)
@@ -474,6 +480,8 @@ class Engine:
             self._emit(s, [first])
 
     def _first_token(self, logits: torch.Tensor, seq: _Sequence) -> int:
+        if seq.seed is not None:
+            return seeded_tokens(logits[None], seq.req.params, [len(seq.tokens)])[0]
         if seq.generator is None:
             return int(logits.argmax())
         return sample(target_probs(logits[None], seq.req.params)[0], seq.generator)
@@ -501,7 +509,8 @@ class Engine:
                     idle.append(s)
                     continue
                 requests.append(DraftRequest(s.seq_id, s.tokens, room, s.req.params, s.generator,
-                                             _features(s, name), s.req.spec_threshold, s.req.options))
+                                             _features(s, name), s.req.spec_threshold, s.req.options,
+                                             s.seed))
             group = [s for s in group if all(s is not i for i in idle)]
             if not group:
                 continue
@@ -561,7 +570,7 @@ class Engine:
         for name, group in by_name.items():
             proposer = next(p for p in group[0].feature_users() if p.name == name)
             requests = [DraftRequest(s.seq_id, s.tokens, 0, s.req.params, s.generator, _features(s, name),
-                                     s.req.spec_threshold) for s in group]
+                                     s.req.spec_threshold, seed=s.seed) for s in group]
             try:
                 proposer.propose(requests)
             except Exception:  # noqa: BLE001 — the features wait for the next call
@@ -633,7 +642,7 @@ class Engine:
         observed: dict[str, tuple[list[int], list[int], list[int]]] = {}   # proposer → (drafted, accepted, caps)
         for b, (s, d) in enumerate(zip(seqs, drafts)):
             try:
-                verdict: Verdict = verify(logits[b, :1 + len(d)], d, s.req.params, s.generator)
+                verdict: Verdict = verify(logits[b, :1 + len(d)], d, s.req.params, s.generator, len(s.tokens))
             except Exception as e:  # noqa: BLE001 — this row alone fails (e.g. an invalid distribution)
                 self.cache.truncate(s.slot, starts[b])
                 self._fail(s, f"verification failed: {e}")
@@ -677,7 +686,7 @@ class Engine:
                 room = min(cap, s.req.params.max_tokens - s.num_output - 1, self.cfg.max_model_len - len(s.tokens))
                 rows.append(StaticRow(s.seq_id, s.slot, s.tokens, self.cache.lengths[s.slot], max(room, 0),
                                       s.req.params, s.generator, _features(s, s.proposer.name),
-                                      s.req.spec_threshold))
+                                      s.req.spec_threshold, s.seed))
                 s.feature_chunks.pop(s.proposer.name, None)
             t0 = self._clock()
             outcomes = group[0].proposer.step(rows)

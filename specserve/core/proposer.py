@@ -86,7 +86,7 @@ class DraftRequest:
     max_draft_len: int            # upper bound on N for this step
     params: SamplingParams        # the request's sampling (greedy: temperature == 0)
     # The request's generator, for drafters that sample (then they must return probs);
-    # None for greedy requests.
+    # None for greedy and for seeded requests.
     generator: torch.Generator | None = None
     # Target features (final hidden states, [n, D]) of the tokens committed since the previous
     # request for this sequence; only filled for proposers with `needs_features`. A proposer with
@@ -101,6 +101,11 @@ class DraftRequest:
     # The request's method-specific options (e.g. mtp's proposer set and tree budget), already
     # checked by the proposer's `check_options`; None → the proposer's defaults.
     options: dict | None = None
+    # A seeded sampled request's seed (core/sampling.py, seeded sampling), else None. A drafter
+    # that can proposes draft token j as argmax(log q~ + g(seed, len(token_ids) + j)), with q~
+    # its distribution warped by params (sampling.seeded_tokens); one that ignores the seed
+    # drafts greedily (generator is None), which is still exact, only accepted less often.
+    seed: int | None = None
 
 
 @dataclass

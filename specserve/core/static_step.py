@@ -6,13 +6,16 @@ For a batch bucket B and a draft length K, a step is a function of device tensor
     lengths     [B]       committed KV entries of each row (= the pending token's position)
     slots       [B]       KV slot of each row (padded rows: a scratch slot nobody owns)
     draft_lens  [B]       drafted tokens that count, in [0, K] (padded rows: 0)
-    sampling    per-row temperature / top-k / top-p / greedy flag, as tensors
+    sampling    per-row temperature / top-k / top-p / greedy flag / seed, as tensors
     uniforms    [B, K+1]  pre-drawn from each request's own generator: K acceptance tests, 1 draw
+    noise       [B, K+1, V] seeded rows: the Gumbel noise of the positions the K+1 rows predict,
+                computed on the device from the seeds (core/sampling.gumbel_noise)
 
 The target attends over a KV span S taken from a small fixed set (`span_for`), masked by the
 row lengths, so S does not change every step. Acceptance runs on the device without branches:
 greedy by the cumulative product of matches, sampled by `u·q(x) < p(x)` with the recovered token
-drawn from the normalised residual by inverse CDF on a pre-drawn uniform. The commit is a length
+drawn from the normalised residual by inverse CDF on a pre-drawn uniform, seeded rows like greedy
+ones with the coupled sample argmax(log p + g) in place of the argmax. The commit is a length
 update. The host reads the emitted tokens and counts in ONE transfer per step (`to_host`).
 
 Worked example (greedy, K = 3): a row with draft_lens = 2 drafts [7, 9] (the third column is
@@ -36,7 +39,7 @@ import torch
 
 from specserve.core.forward import ForwardBatch, TargetModel
 from specserve.core.kv_cache import KVCache
-from specserve.core.sampling import SamplingParams
+from specserve.core.sampling import SamplingParams, coupled_choice, gumbel_noise, seed_tensor, seeded
 
 # Attention spans: the smallest power of two (at least MIN_SPAN) covering the longest row, or
 # the whole cache ("full"; one graph per (B, K) on a GPU, where reading a longer span is cheap).
@@ -96,15 +99,20 @@ class SamplingTensors:
     temperature: torch.Tensor  # [B] float32 (1 where greedy: never used, never divides by 0)
     top_k: torch.Tensor        # [B] int64, 0 = off
     top_p: torch.Tensor        # [B] float32
+    seeded: torch.Tensor       # [B] bool: seeded sampling (sampling.seeded), never greedy
+    seeds: torch.Tensor        # [B] int64 (sampling.seed_tensor); 0 where not seeded
 
     @classmethod
     def from_params(cls, params: list[SamplingParams | None], device) -> "SamplingTensors":
         """One entry per bucket row; None = a padded row (greedy)."""
         greedy = [p is None or p.greedy for p in params]
+        coupled = [p is not None and seeded(p) for p in params]
         return cls(torch.tensor(greedy, device=device),
                    torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=device),
                    torch.tensor([0 if p is None else p.top_k for p in params], device=device),
-                   torch.tensor([1.0 if p is None else p.top_p for p in params], device=device))
+                   torch.tensor([1.0 if p is None else p.top_p for p in params], device=device),
+                   torch.tensor(coupled, device=device),
+                   seed_tensor([p.seed if c else 0 for c, p in zip(coupled, params)], device))
 
 
 def warp(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
@@ -123,6 +131,13 @@ def warp(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
     drop_sorted[..., -1] = False
     x = x.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
     return x.softmax(-1)
+
+
+def step_noise(seeds: torch.Tensor, lengths: torch.Tensor, K: int, vocab: int) -> torch.Tensor:
+    """seeds [B], lengths [B] (the pending tokens' indices) → Gumbel noise [B, K+1, V] of the
+    sequence indices lengths + 1 + t that verify row t (and draft step t) predicts."""
+    positions = lengths[:, None] + 1 + torch.arange(K + 1, device=lengths.device)[None]  # [B, K+1]
+    return gumbel_noise(seeds, positions, vocab)
 
 
 def draw(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -162,7 +177,12 @@ def _live(draft_lens: torch.Tensor, K: int) -> torch.Tensor:
 
 def greedy_acceptance(logits: torch.Tensor, tokens: torch.Tensor, draft_lens: torch.Tensor) -> Acceptance:
     """logits [B, K+1, V], tokens [B, K+1] (pending, drafted…) → the target's greedy continuation."""
-    best = logits.argmax(-1)  # [B, K+1]
+    return chosen_acceptance(logits.argmax(-1), tokens, draft_lens)
+
+
+def chosen_acceptance(best: torch.Tensor, tokens: torch.Tensor, draft_lens: torch.Tensor) -> Acceptance:
+    """best [B, K+1]: the target's own token after each row (argmax, or the coupled sample of a
+    seeded row) → drafted tokens accepted while they equal it, then the target's token."""
     drafted, K = tokens[:, 1:], tokens.shape[1] - 1
     match = _live(draft_lens, K) & (drafted == best[:, :K])
     accepted = match.long().cumprod(-1).sum(-1)  # [B]
@@ -212,16 +232,23 @@ def sampled_acceptance(probs: torch.Tensor, tokens: torch.Tensor, draft_lens: to
 
 def acceptance(logits: torch.Tensor, tokens: torch.Tensor, draft_lens: torch.Tensor,
                sampling: SamplingTensors, draft_probs: torch.Tensor | None, uniforms: torch.Tensor,
-               *, sampled: bool) -> Acceptance:
-    """Greedy rows by argmax, sampled rows by speculative sampling, selected per row without a
-    branch. `sampled` is a host-side choice of the graph variant: False when every row is greedy
-    (then the vocabulary sorts of `warp` are skipped altogether)."""
+               *, sampled: bool, noise: torch.Tensor | None = None) -> Acceptance:
+    """Greedy rows by argmax, sampled rows by speculative sampling, seeded rows by the coupled
+    sample (noise [B, K+1, V]), selected per row without a branch. `sampled` is a host-side
+    choice of the graph variant: False when every row is greedy (then the vocabulary sorts of
+    `warp` are skipped altogether); `noise` is None when no row is seeded."""
     greedy = greedy_acceptance(logits, tokens, draft_lens)
     if not sampled:
         return greedy
-    spec = sampled_acceptance(warp(logits, sampling), tokens, draft_lens, draft_probs, uniforms)
+    probs = warp(logits, sampling)
+    spec = sampled_acceptance(probs, tokens, draft_lens, draft_probs, uniforms)
     g = sampling.greedy
-    return Acceptance(torch.where(g[:, None], greedy.emitted, spec.emitted), torch.where(g, greedy.counts, spec.counts))
+    out = Acceptance(torch.where(g[:, None], greedy.emitted, spec.emitted), torch.where(g, greedy.counts, spec.counts))
+    if noise is None:
+        return out
+    coupled = chosen_acceptance(coupled_choice(probs, noise), tokens, draft_lens)
+    c = sampling.seeded
+    return Acceptance(torch.where(c[:, None], coupled.emitted, out.emitted), torch.where(c, coupled.counts, out.counts))
 
 
 # -- the target's step -------------------------------------------------------------------------------
@@ -235,6 +262,7 @@ class StepInputs:
     sampling: SamplingTensors
     uniforms: torch.Tensor              # [B, K+1] float32 in (0, 1]
     draft_probs: torch.Tensor | None = None  # [B, K, V]; None = point masses (argmax, n-gram)
+    noise: torch.Tensor | None = None        # [B, K+1, V] seeded rows' Gumbel noise; None = no seeded row
 
 
 @dataclass
@@ -266,7 +294,7 @@ def target_step(model: TargetModel, kv: DeviceKV, inp: StepInputs, span: int, *,
     hidden = model.forward(batch, kv).hidden  # [B, K+1, D]
     logits = model.logits(hidden)  # [B, K+1, V] fp32
     acc = acceptance(logits, inp.tokens, inp.draft_lens, inp.sampling, inp.draft_probs, inp.uniforms,
-                     sampled=sampled)
+                     sampled=sampled, noise=inp.noise)
     return StepResult(acc.emitted, acc.counts, inp.lengths + acc.counts, hidden)
 
 
@@ -296,6 +324,7 @@ class StaticRow:
     generator: torch.Generator | None
     features: torch.Tensor | None   # [n, D] target features from the prefill (first step only)
     threshold: float | None         # the request's calibration threshold (None: the proposer's)
+    seed: int | None = None         # a seeded sampled request's seed (generator is then None)
 
 
 @dataclass

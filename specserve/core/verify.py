@@ -13,6 +13,11 @@ node i. Row r's logits predict the token that follows the path root → r.
   residual. Each child's token must have been drawn independently from its q_c, or be a
   deterministic choice (q_c = point mass). A chain is the one-child case: standard speculative
   sampling. The emitted sequence then has exactly the target's distribution.
+- Seeded sampling (core/sampling.py): the target's token after each row is the coupled sample
+  argmax(log p~ + g(seed, position)) with the noise of that row's predicted sequence index; the
+  walk is then the greedy one with those tokens in place of the argmax (a node's children carry
+  distinct tokens, so at most one can match). The emitted token at each position is a function
+  of the seed and the prefix alone, whatever was drafted.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.core.proposer import Draft
-from specserve.core.sampling import SamplingParams, sample, target_probs
+from specserve.core.sampling import SamplingParams, sample, seeded, seeded_tokens, target_probs
 
 
 @dataclass
@@ -46,7 +51,27 @@ def _children(draft: Draft) -> list[list[int]]:
 
 def verify_greedy(logits: torch.Tensor, draft: Draft) -> Verdict:
     """logits [N+1, V] in forward order."""
-    best = logits.argmax(-1).tolist()  # [N+1]
+    return _follow(logits.argmax(-1).tolist(), draft)
+
+
+def depths(draft: Draft) -> list[int]:
+    """[N+1] per forward row: 0 for the root, the node's depth in the tree for draft node i."""
+    out = [0]
+    for p in draft.parents:
+        out.append(out[p + 1] + 1)
+    return out
+
+
+def verify_seeded(logits: torch.Tensor, draft: Draft, params: SamplingParams, position: int) -> Verdict:
+    """logits [N+1, V] in forward order; `position`: the sequence index the root row predicts
+    (len(tokens) with the pending token included). Row r predicts position + depth(r)."""
+    best = seeded_tokens(logits, params, [position + d for d in depths(draft)])  # [N+1]
+    return _follow(best, draft)
+
+
+def _follow(best: list[int], draft: Draft) -> Verdict:
+    """Walk from the root along the children whose token is the target's token of their parent
+    row (best [N+1]); emit that token where none matches (recovered) or at a leaf (bonus)."""
     kids = _children(draft)
     row, path = 0, []
     while True:
@@ -99,8 +124,12 @@ def verify_sampled(logits: torch.Tensor, draft: Draft, params: SamplingParams,
 
 
 def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams,
-           generator: torch.Generator | None) -> Verdict:
+           generator: torch.Generator | None, position: int | None = None) -> Verdict:
+    """`position`: the sequence index the root row predicts; needed for seeded requests."""
     if params.greedy:
         return verify_greedy(logits, draft)
+    if seeded(params):
+        assert position is not None, "seeded sampling needs the row's sequence position"
+        return verify_seeded(logits, draft, params, position)
     assert generator is not None, "sampling needs the request's generator"
     return verify_sampled(logits, draft, params, generator)

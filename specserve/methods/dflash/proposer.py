@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, StepOutcome
 from specserve.methods.dflash.options import BLOCK_SIZE
 from specserve.core.repetition import RepetitionGuard
-from specserve.core.sampling import target_probs
+from specserve.core.sampling import seeded_tokens, target_probs
 from specserve.methods.dflash.drafter import DFlashDrafter
 from specserve.methods.dflash.memory import MemoryView, SequenceMemory
 from specserve.model.transformer import Transformer
@@ -168,6 +168,9 @@ class DFlashProposer(ProposerDefaults):
             k = min(k, int((confidence >= th).sum()))
         if k == 0:
             return Draft.empty()
+        if r.seed is not None:   # seeded: the coupled choice at each block position
+            n = len(r.token_ids)
+            return Draft.chain(seeded_tokens(logits[:k], r.params, list(range(n, n + k))))
         if r.generator is None:
             return Draft.chain(logits[:k].argmax(-1).tolist())
         q = target_probs(logits[:k], r.params)            # [k, V]

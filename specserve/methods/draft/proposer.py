@@ -26,7 +26,7 @@ import torch
 from specserve.core.forward import ForwardBatch
 from specserve.core.masks import build_mask, chain_parents
 from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, StepOutcome
-from specserve.core.sampling import target_probs
+from specserve.core.sampling import seeded_tokens, target_probs
 from specserve.model.transformer import Transformer
 
 
@@ -120,7 +120,10 @@ class DraftModelProposer(ProposerDefaults):
         while active:
             for b in active:
                 r = requests[b]
-                if r.generator is None:
+                if r.seed is not None:   # seeded: the coupled choice; q as for greedy rows (unused by verify)
+                    q = logits[b].softmax(-1)
+                    tok = seeded_tokens(logits[b:b + 1], r.params, [len(r.token_ids) + len(tokens[b])])[0]
+                elif r.generator is None:
                     q = logits[b].softmax(-1)
                     tok = int(logits[b].argmax())
                 else:

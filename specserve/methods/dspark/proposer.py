@@ -7,7 +7,9 @@ One step, all on the device, no host decision inside:
      (kept on the device in per-slot buffers, width max_draft_len + 1, masked by their count);
      a row's first step instead takes f̂ from the eager ingest of its prompt (`fresh`);
   2. draft: K drafter steps (argmax, or an inverse-CDF draw on a pre-drawn uniform for sampled
-     rows, from the drafter's distribution warped by the request's parameters);
+     rows, from the drafter's distribution warped by the request's parameters; seeded rows take
+     the coupled choice argmax(log q + g) with the Gumbel noise of each position, computed on
+     the device from the seed);
   3. calibrated cut: the calibration head's cumulative acceptance masks positions past the row's
      cut (and its room) — the graph always drafts K, the cut only sets `draft_lens`;
   4. verify + accept + commit: `static_step.target_step`;
@@ -27,7 +29,8 @@ committed pairs wait in the device buffers (`_pending`). After the one host sync
 host knows the counts, so it advances `valid` by the ingested pairs and records the new ones.
 
 Greedy output equals plain greedy decoding token for token (the target verifies every token);
-sampled output follows the target distribution (static_step's acceptance is speculative sampling).
+sampled output follows the target distribution (static_step's acceptance is speculative sampling);
+seeded output equals plain seeded decoding token for token (static_step's coupled acceptance).
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ from specserve.methods.eagle.drafter import CalibrationHead, EagleDrafter
 from specserve.methods.eagle.proposer import EagleProposer
 from specserve.core.static_step import (DeviceKV, SamplingTensors, StaticOutcome, StaticRow, StepInputs,
                                    bucket_for, chain_batch, check_static_model, draw, span_for,
-                                   target_step, to_host, uniforms_for, warp)
+                                   step_noise, target_step, to_host, uniforms_for, warp)
+from specserve.core.sampling import coupled_choice
 
 
 def draft_lengths(max_draft_len: int) -> tuple[int, ...]:
@@ -59,6 +63,7 @@ class StepKey:
     K: int
     S: int
     sampled: bool
+    seeded: bool = False   # some row is seeded: the graph computes the Gumbel noise
 
 
 class DSParkProposer(ProposerDefaults):
@@ -130,6 +135,7 @@ class DSParkProposer(ProposerDefaults):
         B = bucket_for(n, self.max_num_seqs)
         K = self.choose_k(rows)
         sampled = any(not r.params.greedy for r in rows)
+        coupled = any(r.seed is not None for r in rows)
         S = span_for(max(r.length for r in rows) + K + 1, self._cache_len, self.span_set)
         fresh = [r for r in rows if r.seq_id not in self.eagle._seqs]
         h_fresh = torch.zeros(B, self.drafter.cfg.hidden_size, dtype=self.eagle.dtype, device=dev)
@@ -162,9 +168,10 @@ class DSParkProposer(ProposerDefaults):
             "room": long_([r.max_draft_len for r in rows] + [0] * pad),
             "thresholds": torch.tensor(thresholds + [0.0] * pad, device=dev),
             "greedy": s.greedy, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
+            "seeded": s.seeded, "seeds": s.seeds,
             "uniforms": uniforms_for([r.generator for r in rows] + [None] * pad, 2 * K + 1, dev),
         }
-        out = to_host(self._graphs.run(StepKey(B, K, S, sampled), inputs)["out"])  # the one host sync
+        out = to_host(self._graphs.run(StepKey(B, K, S, sampled, coupled), inputs)["out"])  # the one host sync
         outcomes = []
         for b, (r, st, k) in enumerate(zip(rows, states, new)):
             count, drafted = int(out[b, K + 1]), int(out[b, K + 2])
@@ -189,6 +196,7 @@ class DSParkProposer(ProposerDefaults):
                 "h_fresh": torch.zeros(B, self.drafter.cfg.hidden_size, dtype=self.eagle.dtype, device=dev),
                 "room": zeros(), "thresholds": torch.zeros(B, device=dev),
                 "greedy": s.greedy, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
+                "seeded": s.seeded, "seeds": s.seeds,
                 "uniforms": torch.ones(B, 2 * key.K + 1, device=dev)}
 
     def _make_fn(self, key: StepKey):
@@ -198,8 +206,10 @@ class DSParkProposer(ProposerDefaults):
         B, K, S = key.B, key.K, key.S
         window = self.drafter.cfg.sliding_window
         embed_w, head_w = self.eagle._embed_w, self.eagle._head_w
-        sampling = SamplingTensors(x["greedy"], x["temperature"], x["top_k"], x["top_p"])
+        sampling = SamplingTensors(x["greedy"], x["temperature"], x["top_k"], x["top_p"], x["seeded"], x["seeds"])
         dslots, u = x["dslots"], x["uniforms"]  # u [B, 2K+1]: K draft draws, K acceptance tests, 1 draw
+        # [B, K+1, V] the seeded rows' noise for the K drafted positions and the bonus one
+        noise = step_noise(x["seeds"], x["lengths"], K, head_w.shape[0]) if key.seeded else None
 
         # 1. ingest the pairs the last step committed; f̂ of the pending token per row [B, D]
         toks = self._ftoks[dslots]  # [B, W]
@@ -219,6 +229,8 @@ class DSParkProposer(ProposerDefaults):
             if key.sampled:
                 q = warp(logits[:, None], sampling)[:, 0]  # [B, V]
                 tok = torch.where(sampling.greedy, tok, draw(q, u[:, j]))
+                if noise is not None:
+                    tok = torch.where(sampling.seeded, coupled_choice(q, noise[:, j]), tok)
                 qs.append(q)
             if calibrate:
                 scalars = CalibrationHead.scalar_features(logits, j)
@@ -237,7 +249,7 @@ class DSParkProposer(ProposerDefaults):
         tokens = torch.cat([x["pending"][:, None], *[d[:, None] for d in drafted]], 1)  # [B, K+1]
         probs = torch.stack(qs, 1) if qs else None  # [B, K, V]
         res = target_step(self.target, self._kv,
-                          StepInputs(tokens, x["lengths"], x["slots"], lens, sampling, u[:, K:], probs),
+                          StepInputs(tokens, x["lengths"], x["slots"], lens, sampling, u[:, K:], probs, noise),
                           S, sampled=key.sampled)
 
         # 5. the committed pairs (f at each verified position, the token after it) for next step

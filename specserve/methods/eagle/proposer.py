@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from specserve.core.forward import ForwardBatch
 from specserve.core.masks import build_mask
 from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, StepOutcome
-from specserve.core.sampling import target_probs
+from specserve.core.sampling import seeded_tokens, target_probs
 from specserve.methods.eagle.drafter import CalibrationHead, EagleDrafter
 from specserve.model.transformer import Transformer
 
@@ -136,9 +136,10 @@ class EagleProposer(ProposerDefaults):
                 if not active[b]:
                     picked.append(0)
                     continue
-                if r.generator is None:
-                    tok, q = int(logits[b].argmax()), None
-                    lp = float(logits[b, tok] - logits[b].logsumexp(-1))
+                if r.generator is None:   # greedy, or seeded: the coupled choice at this position
+                    tok = (int(logits[b].argmax()) if r.seed is None
+                           else seeded_tokens(logits[b:b + 1], r.params, [len(r.token_ids) + j])[0])
+                    q, lp = None, float(logits[b, tok] - logits[b].logsumexp(-1))
                 else:
                     q = target_probs(logits[b:b + 1], r.params)[0]
                     tok = int(torch.multinomial(q, 1, generator=r.generator))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, StepOutcome
-from specserve.core.sampling import target_probs
+from specserve.core.sampling import seeded_tokens, target_probs
 from specserve.methods.mtp.heads import MTPHeads
 
 
@@ -78,9 +78,12 @@ class MTPHeadsProposer(ProposerDefaults):
                 continue
             rows = logits[b, :n]  # [n, V]
             if r.generator is None:
-                # Greedy: top-1 per head; probs = the plain softmax, for confidence only.
+                # Greedy: top-1 per head (seeded: the coupled choice at each head's position);
+                # probs = the plain softmax, for confidence only.
                 probs = rows.softmax(-1)
-                tokens = rows.argmax(-1).tolist()
+                m = len(r.token_ids)
+                tokens = (rows.argmax(-1).tolist() if r.seed is None
+                          else seeded_tokens(rows, r.params, list(range(m, m + n))))
             else:
                 probs = target_probs(rows, r.params)  # [n, V] each head's warped distribution
                 tokens = [int(torch.multinomial(probs[j], 1, generator=r.generator)) for j in range(n)]

@@ -188,9 +188,10 @@ class MultiDraftProposer(ProposerDefaults):
             if r.features is not None and r.features.shape[0]:
                 chunks.append(r.features)
             features = None if not chunks else chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-        # generator=None: sub-proposers draft greedily (the merged tree is point masses).
+        # generator=None: sub-proposers draft greedily, or with the seeded request's noise (the
+        # merged tree is point masses either way).
         return DraftRequest(r.seq_id, r.token_ids, min(r.max_draft_len, self.depth), r.params, None,
-                            features, r.threshold)
+                            features, r.threshold, seed=r.seed)
 
     def _bad(self, d: Draft) -> bool:
         try:
