@@ -317,6 +317,168 @@ def test_manifests_agree_with_serve(overlay):
     assert hpa_metrics == set(_adapter_rules()), "every HPA metric needs a prometheus-adapter rule"
 
 
+# -- across resources: what one object names must be in the render, in the same namespace ---------
+# Objects that are not namespaced (everything else kustomize renders here is).
+CLUSTER_SCOPED = {"Namespace"}
+# What the operator makes by hand before the first apply, because it holds a secret that must not
+# be in the repository: (kind, name) → the command, which base/kustomization.yaml and
+# docs/deploy.md must both give.
+OPERATOR_MADE = {("Secret", "specserve-admin"):
+                 "kubectl -n specserve create secret generic specserve-admin --from-literal=admin-key="}
+
+
+def _pod_references(pod_spec: dict) -> set[tuple[str, str]]:
+    """(kind, name) of every claim, ConfigMap, Secret and ServiceAccount a pod spec names."""
+    refs = set()
+    for v in pod_spec.get("volumes", []):
+        if "persistentVolumeClaim" in v:
+            refs.add(("PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"]))
+        if "configMap" in v:
+            refs.add(("ConfigMap", v["configMap"]["name"]))
+        if "secret" in v:
+            refs.add(("Secret", v["secret"]["secretName"]))
+        for source in v.get("projected", {}).get("sources", []):
+            for kind, key in (("ConfigMap", "configMap"), ("Secret", "secret")):
+                if key in source:
+                    refs.add((kind, source[key]["name"]))
+    for c in pod_spec.get("initContainers", []) + pod_spec["containers"]:
+        for e in c.get("env", []):
+            ref = e.get("valueFrom", {})
+            if "secretKeyRef" in ref:
+                refs.add(("Secret", ref["secretKeyRef"]["name"]))
+            if "configMapKeyRef" in ref:
+                refs.add(("ConfigMap", ref["configMapKeyRef"]["name"]))
+        for e in c.get("envFrom", []):
+            if "secretRef" in e:
+                refs.add(("Secret", e["secretRef"]["name"]))
+            if "configMapRef" in e:
+                refs.add(("ConfigMap", e["configMapRef"]["name"]))
+    for s in pod_spec.get("imagePullSecrets", []):
+        refs.add(("Secret", s["name"]))
+    if pod_spec.get("serviceAccountName", "default") != "default":   # "default" is in every namespace
+        refs.add(("ServiceAccount", pod_spec["serviceAccountName"]))
+    return refs
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    return bool(selector) and selector.items() <= labels.items()
+
+
+def consistency_errors(docs: list[dict], adapter_metrics: set[str]) -> list[str]:
+    """What in one rendered overlay names something that is not there (or not where it looks)."""
+    errors = []
+    deployment = _one(docs, "Deployment")
+    namespace = deployment["metadata"].get("namespace")
+    if not namespace:
+        return ["the Deployment has no namespace"]
+    for d in docs:
+        where = d["metadata"].get("namespace")
+        if d["kind"] not in CLUSTER_SCOPED and where != namespace:
+            errors.append(f"{d['kind']}/{d['metadata']['name']} is in namespace {where or 'default (none set)'}, "
+                          f"the Deployment in {namespace}")
+    if not any(d["kind"] == "Namespace" and d["metadata"]["name"] == namespace for d in docs):
+        errors.append(f"namespace {namespace} is not in the render")
+    rendered = {(d["kind"], d["metadata"]["name"]) for d in docs}
+
+    pod = deployment["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    for ref in sorted(_pod_references(pod["spec"])):
+        if ref in OPERATOR_MADE:
+            if ref in rendered:
+                errors.append(f"{ref[0]}/{ref[1]} is both rendered and made by hand")
+        elif ref not in rendered:
+            errors.append(f"the pod references {ref[0]}/{ref[1]}, which is not in the render")
+    if not _selects(deployment["spec"]["selector"]["matchLabels"], labels):
+        errors.append("the Deployment's selector does not match its pod labels")
+
+    # Ports: each probe's, each Service targetPort, each ServiceMonitor endpoint (a Service port name).
+    container_ports = {}
+    for c in pod["spec"]["containers"]:
+        for p in c.get("ports", []):
+            container_ports[p["containerPort"]] = p
+            if "name" in p:
+                container_ports[p["name"]] = p
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            action = c.get(probe, {}).get("httpGet") or c.get(probe, {}).get("tcpSocket") or c.get(probe, {}).get("grpc")
+            if action and action["port"] not in container_ports:
+                errors.append(f"{c['name']}.{probe} uses port {action['port']!r}, which the container does not declare")
+    services = [d for d in docs if d["kind"] == "Service"]
+    for svc in services:
+        if not _selects(svc["spec"].get("selector", {}), labels):
+            errors.append(f"Service/{svc['metadata']['name']} selects {svc['spec'].get('selector')}, not the pods {labels}")
+        for p in svc["spec"]["ports"]:
+            if p.get("targetPort", p["port"]) not in container_ports:
+                errors.append(f"Service/{svc['metadata']['name']} port {p['name']} targets "
+                              f"{p.get('targetPort', p['port'])!r}, which the container does not declare")
+    for mon in (d for d in docs if d["kind"] == "ServiceMonitor"):
+        selected = [s for s in services if _selects(mon["spec"]["selector"]["matchLabels"], s["metadata"].get("labels", {}))]
+        if not selected:
+            errors.append(f"ServiceMonitor/{mon['metadata']['name']} selects no Service")
+        for ep in mon["spec"]["endpoints"]:
+            if not any(ep["port"] in {p["name"] for p in s["spec"]["ports"]} for s in selected):
+                errors.append(f"ServiceMonitor/{mon['metadata']['name']} scrapes port {ep['port']!r}, "
+                              "which no Service it selects names")
+    for pdb in (d for d in docs if d["kind"] == "PodDisruptionBudget"):
+        if not _selects(pdb["spec"]["selector"]["matchLabels"], labels):
+            errors.append(f"PodDisruptionBudget/{pdb['metadata']['name']} selects no pod")
+
+    for hpa in (d for d in docs if d["kind"] == "HorizontalPodAutoscaler"):
+        ref = hpa["spec"]["scaleTargetRef"]
+        target = [d for d in docs if (d["kind"], d["metadata"]["name"]) == (ref["kind"], ref["name"])]
+        if not target or target[0]["apiVersion"] != ref["apiVersion"]:
+            errors.append(f"HorizontalPodAutoscaler/{hpa['metadata']['name']} scales {ref}, not in the render")
+        for m in hpa["spec"]["metrics"]:
+            name = m.get(m["type"][0].lower() + m["type"][1:], {}).get("metric", {}).get("name")
+            if m["type"] != "Resource" and name not in adapter_metrics:
+                errors.append(f"HorizontalPodAutoscaler/{hpa['metadata']['name']} scales on {name}, "
+                              "which no prometheus-adapter rule produces")
+    return errors
+
+
+def test_overlay_is_consistent_across_resources(overlay):
+    name, docs = overlay
+    assert consistency_errors(docs, set(_adapter_rules())) == [], name
+    for (kind, ref), command in OPERATOR_MADE.items():
+        for doc in (K8S / "base" / "kustomization.yaml", ROOT / "docs" / "deploy.md"):
+            assert command in doc.read_text(), f"{doc} must say how to make {kind}/{ref}: {command}"
+
+
+def test_consistency_check_can_fail(overlay):
+    """Each kind of break the check exists for, made in a copy of the render, is reported."""
+    name, docs = overlay
+
+    def broken(edit) -> list[str]:
+        copy = json.loads(json.dumps(docs))
+        edit(copy)
+        return consistency_errors(copy, set(_adapter_rules()))
+
+    def by_kind(copy, kind):
+        return next(d for d in copy if d["kind"] == kind)
+
+    def pod(copy):
+        return by_kind(copy, "Deployment")["spec"]["template"]["spec"]
+
+    assert any("namespace default" in e for e in broken(lambda c: by_kind(c, "Service")["metadata"].pop("namespace")))
+    assert any("Secret/specserve-admin-typo" in e for e in broken(
+        lambda c: pod(c)["containers"][0]["env"][0]["valueFrom"]["secretKeyRef"].update(name="specserve-admin-typo")))
+    assert any("ConfigMap/extra" in e for e in broken(
+        lambda c: pod(c)["volumes"].append({"name": "extra", "configMap": {"name": "extra"}})))
+    assert any("ServiceAccount/drafter" in e for e in broken(lambda c: pod(c).update(serviceAccountName="drafter")))
+    assert any("Service/specserve selects" in e for e in broken(
+        lambda c: by_kind(c, "Service")["spec"]["selector"].update({"app.kubernetes.io/name": "other"})))
+    assert any("readinessProbe uses port 'htp'" in e for e in broken(
+        lambda c: pod(c)["containers"][0]["readinessProbe"]["httpGet"].update(port="htp")))
+    assert any("scrapes port 'metric'" in e for e in broken(
+        lambda c: by_kind(c, "ServiceMonitor")["spec"]["endpoints"][0].update(port="metric")))
+    assert any("scales {" in e for e in broken(
+        lambda c: by_kind(c, "HorizontalPodAutoscaler")["spec"]["scaleTargetRef"].update(name="specserv")))
+    assert any("no prometheus-adapter rule" in e for e in broken(
+        lambda c: by_kind(c, "HorizontalPodAutoscaler")["spec"]["metrics"][0]["pods"]["metric"].update(name="qps")))
+    if name == "gpu":
+        assert any("PersistentVolumeClaim/specserve-models" in e for e in broken(
+            lambda c: c.remove(by_kind(c, "PersistentVolumeClaim"))))
+
+
 def test_serve_with_the_deployed_flags_uses_explicit_model_control(monkeypatch, tmp_path):
     """Run `specserve serve` with each deployment's flags up to the tritonserver command (no
     server starts) and read the command it would run: explicit model control, the ports."""
