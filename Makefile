@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test demo smollm2 serve bench engine-bench eagle-bench dspark-bench dflash-bench mtp-bench gpu-check clean
+.PHONY: install test demo smollm2 serve bench engine-bench eagle-bench dspark-bench dflash-bench mtp-bench gpu-check image-check admin-key clean
 
 install: $(STAMP)
 
@@ -74,5 +74,17 @@ mtp-bench: install
 gpu-check:
 	scripts/gpu_check.sh
 
+# Build the CPU image on the locally made base (scripts/make_base_image.sh, once, as root), serve
+# it, stream through its published ports, docker stop it mid-stream, bring up the Compose CPU
+# profile: needs a running dockerd. Report: docs/deploy/image_check.txt.
+image-check: install
+	$(PY) scripts/container_check.py --out docs/deploy/image_check.txt
+
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The admin key docker compose passes to the server (env_file specserve-admin.env, 0600): made
+# once, never overwritten; `docker compose up` refuses until it exists.
+admin-key:
+	@test -s specserve-admin.env || (umask 077 && $(PYTHON) -c "import secrets; print('SPECSERVE_ADMIN_KEY=' + secrets.token_hex(16))" > specserve-admin.env)
+	@echo "specserve-admin.env holds the admin key (for the host CLI: export \$$(cat specserve-admin.env))"

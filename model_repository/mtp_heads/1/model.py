@@ -17,7 +17,7 @@ class TritonPythonModel:
         onnx_file = Path(args["model_repository"]) / args["model_version"] / "mtp_heads.onnx"
         if not onnx_file.is_file():
             raise FileNotFoundError(f"mtp_heads: {onnx_file} is missing")
-        self.rt = HeadsOnnxRuntime(onnx_file)
+        self.rt = HeadsOnnxRuntime(onnx_file, device=pb.model_parameters(args).get("device", "auto"))
 
     def execute(self, requests):
         responses = []

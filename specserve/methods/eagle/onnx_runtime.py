@@ -18,7 +18,9 @@ re-primes it by resending everything.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -57,6 +59,52 @@ def session_options(threads: int = 1):
     return opts
 
 
+CUDA_PROVIDER = "CUDAExecutionProvider"
+CPU_PROVIDER = "CPUExecutionProvider"
+log = logging.getLogger(__name__)
+
+
+def execution_providers(device: str, available: Sequence[str] | None = None) -> list[tuple[str, dict]]:
+    """The onnxruntime providers for a drafter on `device` (the engine's --device: auto, cpu,
+    cuda[:N]), so a remote drafter computes where the target does. cuda asks for the CUDA
+    provider on that GPU, with the CPU one after it for the operators CUDA lacks; when this
+    onnxruntime has no CUDA provider (the CPU wheel), the drafter falls back to the CPU, with a
+    warning. auto is cuda when torch sees a GPU, as for the target (model.devices), and cpu
+    when this onnxruntime has no CUDA provider."""
+    if available is None:
+        import onnxruntime as ort
+
+        available = ort.get_available_providers()
+    if device == "auto":
+        if CUDA_PROVIDER not in available:
+            return [(CPU_PROVIDER, {})]   # a CPU onnxruntime: no need to ask torch about GPUs
+        from specserve.model.devices import resolve_device
+
+        device = str(resolve_device("auto"))
+    if not device.startswith("cuda"):
+        return [(CPU_PROVIDER, {})]
+    if CUDA_PROVIDER not in available:
+        log.warning("drafter device %s: this onnxruntime has no %s (providers: %s); the drafter runs "
+                    "on the CPU. Install onnxruntime-gpu instead of onnxruntime.", device, CUDA_PROVIDER,
+                    ", ".join(available))
+        return [(CPU_PROVIDER, {})]
+    index = device.partition(":")[2] or "0"
+    return [(CUDA_PROVIDER, {"device_id": int(index)}), (CPU_PROVIDER, {})]
+
+
+def inference_session(path: str, device: str = "cpu"):
+    """An onnxruntime session for `path` on `device` (execution_providers), warning when a
+    requested CUDA provider could not be created (onnxruntime then runs on the CPU)."""
+    import onnxruntime as ort
+
+    providers = execution_providers(device)
+    session = ort.InferenceSession(str(path), session_options(), providers=providers)
+    if providers[0][0] == CUDA_PROVIDER and CUDA_PROVIDER not in session.get_providers():
+        log.warning("drafter %s: onnxruntime could not start %s on %s; it runs on the CPU", path,
+                    CUDA_PROVIDER, device)
+    return session
+
+
 @dataclass
 class _State:
     k: np.ndarray  # [1, Hkv, P, hd]
@@ -78,12 +126,10 @@ class EagleOnnxRuntime:
     backbone_path: str
     kv_heads: int
     head_dim: int
-    providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
+    device: str = "cpu"   # the engine's --device (execution_providers)
 
     def __post_init__(self):
-        import onnxruntime as ort
-
-        self.session = ort.InferenceSession(self.backbone_path, session_options(), providers=self.providers)
+        self.session = inference_session(self.backbone_path, self.device)
         self.states: dict[int, _State] = {}
 
     def _run(self, feats, toks, start: int, k, v):
@@ -139,12 +185,10 @@ class EagleOnnxRuntime:
 @dataclass
 class CalibrationOnnxRuntime:
     path: str
-    providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
+    device: str = "cpu"   # the engine's --device (execution_providers)
 
     def __post_init__(self):
-        import onnxruntime as ort
-
-        self.session = ort.InferenceSession(self.path, session_options(), providers=self.providers)
+        self.session = inference_session(self.path, self.device)
 
     def accept_prob(self, hidden: np.ndarray, scalars: np.ndarray) -> np.ndarray:
         """hidden [B, K, D], scalars [B, K, 3] → [B, K]."""

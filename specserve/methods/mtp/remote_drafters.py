@@ -45,12 +45,10 @@ def _padded(rows: list[list], fill, dtype) -> np.ndarray:
 class HeadsOnnxRuntime:
     """The MTP heads' ONNX graph → per row the chain of each head's top-1 token."""
 
-    def __init__(self, onnx_file: str | Path):
-        import onnxruntime as ort
+    def __init__(self, onnx_file: str | Path, device: str = "cpu"):
+        from specserve.methods.eagle.onnx_runtime import inference_session
 
-        from specserve.methods.eagle.onnx_runtime import session_options
-
-        self.session = ort.InferenceSession(str(onnx_file), session_options(), providers=["CPUExecutionProvider"])
+        self.session = inference_session(str(onnx_file), device)
 
     def chains(self, features: np.ndarray, num_new: np.ndarray, max_draft_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """features [B, T, D], num_new [B], max_draft_len [B] → tokens [B, K] (-1 padded),
