@@ -37,14 +37,15 @@ def run(args, log=print) -> dict:
     from specserve.core.engine import GenerationRequest
     from specserve.core.sampling import SamplingParams
     from specserve.methods import registry
-    from specserve.serving.build import EngineSettings, build_engine
+    from specserve.serving.build import build_engine
+    from specserve.serving.settings import DeploymentSettings
 
     torch.set_num_threads(args.threads)
     drafters = tuple((m, str(DEMO / m)) for m in registry.folder_methods())
     prompts = alternated_prompts(args.prompts)
     n = len(prompts) * args.seeds
-    engine, tok = build_engine(EngineSettings(DEMO / "target", max_num_seqs=n, max_model_len=512, drafters=drafters,
-                                              device="cpu"))
+    engine, tok = build_engine(DeploymentSettings(DEMO / "target", max_num_seqs=n, max_model_len=512, drafters=drafters,
+                                                   device="cpu", draft_policy="fixed", default_method="none"))
     ids = [tok.encode(p["prompt"]).ids for p in prompts]
 
     def batch(method: str, temperature: float, mode: str) -> dict:

@@ -30,10 +30,11 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 def built():
     """The demo deployment, every method fused, with slots for a mixed batch of all of them."""
-    from specserve.serving.build import EngineSettings, build_engine
+    from specserve.serving.build import build_engine
+    from specserve.serving.settings import DeploymentSettings
 
-    engine, tok = build_engine(EngineSettings(DEMO / "target", max_num_seqs=12, max_model_len=256, drafters=DRAFTERS,
-                                              device="cpu"))
+    engine, tok = build_engine(DeploymentSettings(DEMO / "target", max_num_seqs=12, max_model_len=256, drafters=DRAFTERS,
+                                                   device="cpu", draft_policy="fixed", default_method="none"))
     return engine, tok
 
 
