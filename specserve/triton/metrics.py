@@ -134,7 +134,10 @@ class TritonMetrics:
         self._set("policy_verify_slowdown", {}, round(verify_slowdown, 2))
         for proposer, est in estimates.items():
             for key in _POLICY_GAUGES:
-                self._set(key, {"proposer": proposer}, getattr(est, key))
+                # Rounded: the estimates move a little every step, and each change is an IPC call;
+                # a queue of them still draining at shutdown held up the model's unload.
+                value = getattr(est, key)
+                self._set(key, {"proposer": proposer}, None if value is None else round(value, 2))
 
     def _set(self, key: str, labels: dict[str, str], value: float | None) -> None:
         # Reported after every engine step: only changes go out (each set is an IPC call).
