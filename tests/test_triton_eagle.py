@@ -355,9 +355,9 @@ def test_seeded_sampling_equals_none_alone_and_in_a_mixed_batch(server):
         for p, s in cases:
             got = seeded(server, p, m, s)
             assert got.text == want[(p, SEEDED.index(s))], (m, p, s)
-            # The text is what a seed pins. A remote drafter call that times out on a loaded machine
-            # leaves its step plain (counted in proposer_errors): the text must not change, so no
-            # assertion on that count here (test_remote_eagle pins the time-out itself).
+            # The text is what a seed pins, and it stays exact. proposer_errors is not pinned here: two
+            # fresh-clone runs counted 38 eagle errors in this mixed batch (the same count on a busy and a
+            # quiet machine), so it is not a load time-out; the cause is open (issue 20's closing note).
             assert got.spec_stats["method"] == m
     jobs = [(m, p, s, {}) for m in methods for p, s in cases[::2]]
     jobs += [("eagle", PROMPTS[0], SEEDED[0], {"num_draft_tokens": 1}), ("mtp", PROMPTS[1], SEEDED[1],
