@@ -57,7 +57,10 @@ def start_server(tmp_path_factory, placement: str):
     repo = render_repository(DeploymentSettings(ckpt, max_num_seqs=16, max_model_len=256, max_draft_len=4,
                                                 default_method="eagle", drafters=drafted,
                                                 placement=placement, mtp_placement=placement,
-                                                spec_threshold=None, draft_policy="fixed"),
+                                                spec_threshold=None, draft_policy="fixed",
+                                                # no load makes a healthy call this slow; the hung
+                                                # drafter test blocks past it
+                                                remote_timeout_s=10.0),
                              root / "model_repository")
     extra = ["--model-control-mode=explicit", "--load-model=*"] if placement == "remote" else []
     srv = TritonServer(repo, root, None, log_file=root / "tritonserver.log", exit_timeout_s=5,
@@ -294,42 +297,33 @@ def _stub_pids(model: str) -> list[int]:
 
 
 def test_a_hung_drafter_fails_no_request_and_comes_back(server):
-    """A calibration_head version whose execute sleeps 3 s (past the engine's 1 s BLS timeout)
-    is live while 8 streams run: none fails, outputs stay exact, speculation pauses; loading a
-    healthy version brings drafting back."""
+    """A calibration_head version whose execute blocks (until the test releases it: past the
+    server's remote-drafter time-out however long a loaded machine takes) is live while 8 streams
+    run: none fails, outputs stay exact, speculation pauses; releasing it and loading a healthy
+    version brings drafting back."""
     repo = ROOTS["remote"] / "model_repository" / "calibration_head"
     v1 = repo / "1"
+    hang = ROOTS["remote"] / "hang"
+    hang.touch()
     hung, healthy = drafters.next_version(repo.parent, "calibration_head"), None
     (repo / str(hung)).mkdir()
     shutil.copy2(v1 / "calibration_head.onnx", repo / str(hung))
     (repo / str(hung) / "model.py").write_text((v1 / "model.py").read_text().replace(
-        "    def execute(self, requests):\n", "    def execute(self, requests):\n        import time\n"
-        "        time.sleep(3)\n"))
-    drafters.load(server.grpc_url, "eagle_proposal", server.admin_key)   # the hung version is live
-    errors = _eight_streams_exact(server, lambda: None)
+        "    def execute(self, requests):\n", "    def execute(self, requests):\n        import os, time\n"
+        f"        while os.path.exists({str(hang)!r}):\n            time.sleep(0.05)\n"))
+    try:
+        drafters.load(server.grpc_url, "eagle_proposal", server.admin_key)   # the hung version is live
+        errors = _eight_streams_exact(server, lambda: None)
+    finally:
+        hang.unlink()
     assert errors > 0, "the hung drafter was never called"
     healthy = hung + 1
     shutil.copytree(v1, repo / str(healthy))
     drafters.load(server.grpc_url, "eagle_proposal", server.admin_key)
-    deadline = time.monotonic() + 60   # the engine's back-off from the failures runs out first
+    # The engine's back-off from the failures runs out (8 s at most), then a request drafts again.
     while (after := gen(server, PROMPTS[1], "eagle")).spec_stats["proposer_errors"]:
-        assert time.monotonic() < deadline, after.spec_stats
         time.sleep(0.5)
     assert after.spec_stats["draft_tokens"] > 0
-
-
-def test_a_killed_drafter_stub_fails_no_request(server):
-    """The eagle_backbone stub process dies (SIGKILL) while 8 streams run: they all finish with
-    the exact plain-decoding text, and the server goes on serving (without speculation: Triton
-    2.51 neither restarts a dead stub nor unloads it cleanly, so it takes a server restart to
-    bring that drafter back; the engine backs off instead of calling it every step). Last in
-    this module, because it leaves the drafter dead."""
-    pids = _stub_pids("eagle_backbone")
-    assert pids, "no eagle_backbone stub process found"
-    _eight_streams_exact(server, lambda: _kill(pids))
-    want = gen(server, PROMPTS[2], "none")
-    after = gen(server, PROMPTS[2], "eagle")
-    assert after.text == want.text and after.spec_stats["proposer_errors"] > 0
 
 
 # -- seeded sampling: the seed alone decides the text (core/sampling.py) ---------------------------------
@@ -355,10 +349,8 @@ def test_seeded_sampling_equals_none_alone_and_in_a_mixed_batch(server):
         for p, s in cases:
             got = seeded(server, p, m, s)
             assert got.text == want[(p, SEEDED.index(s))], (m, p, s)
-            # The text is what a seed pins, and it stays exact. proposer_errors is not pinned here: two
-            # fresh-clone runs counted 38 eagle errors in this mixed batch (the same count on a busy and a
-            # quiet machine), so it is not a load time-out; the cause is open (issue 20's closing note).
-            assert got.spec_stats["method"] == m
+            assert got.spec_stats["method"] == m and got.spec_stats["proposer_errors"] == 0, (m, got.spec_stats)
+            assert m == "ngram" or got.spec_stats["draft_tokens"] > 0, (m, got.spec_stats)
     jobs = [(m, p, s, {}) for m in methods for p, s in cases[::2]]
     jobs += [("eagle", PROMPTS[0], SEEDED[0], {"num_draft_tokens": 1}), ("mtp", PROMPTS[1], SEEDED[1],
              {"draft_policy": "adaptive"}), ("eagle", PROMPTS[2], {"temperature": 1.0}, {}), ("draft", PROMPTS[3], {}, {})]
@@ -384,3 +376,17 @@ def test_seeded_streams_keep_their_text_when_the_drafter_is_unloaded(server):
                                 jobs, unload_and_reload)
     for (p, s), r in zip(jobs, results):
         assert r.text == want[(p, s["seed"])], (p, s)
+
+
+def test_a_killed_drafter_stub_fails_no_request(server):
+    """The eagle_backbone stub process dies (SIGKILL) while 8 streams run: they all finish with
+    the exact plain-decoding text, and the server goes on serving (without speculation: Triton
+    2.51 neither restarts a dead stub nor unloads it cleanly, so it takes a server restart to
+    bring that drafter back; the engine backs off instead of calling it every step). Last in
+    this module, because it leaves the drafter dead."""
+    pids = _stub_pids("eagle_backbone")
+    assert pids, "no eagle_backbone stub process found"
+    _eight_streams_exact(server, lambda: _kill(pids))
+    want = gen(server, PROMPTS[2], "none")
+    after = gen(server, PROMPTS[2], "eagle")
+    assert after.text == want.text and after.spec_stats["proposer_errors"] > 0

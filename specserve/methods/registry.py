@@ -98,6 +98,7 @@ class BuildContext:
     block_size: int | None
     placement: str                      # the placement this method runs in
     remote: "RemoteCalls | None"        # None: built in process, no Triton to call
+    remote_timeout_s: float             # a remote drafter call waited for at most this
 
 
 @dataclass(frozen=True)

@@ -139,7 +139,8 @@ def build_proposers(model, settings: DeploymentSettings, max_len: int,
                 log.warning("%s runs fused: %s", spec.name, why)
             ctx = registry.BuildContext(model, Path(settings.checkpoint), folders.get(spec.name), settings.drafters,
                                         proposers, settings.max_num_seqs, max_len, settings.max_draft_len,
-                                        settings.spec_threshold, dtype, settings.block_size, placement, remote)
+                                        settings.spec_threshold, dtype, settings.block_size, placement, remote,
+                                        settings.remote_timeout_s)
             proposers[spec.name] = spec.build(ctx)
     return proposers
 

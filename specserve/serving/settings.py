@@ -68,6 +68,7 @@ def _decode_drafters(text: str) -> tuple[tuple[str, str], ...]:
 
 STR = Codec(str, str)
 INT = Codec(str, int)
+FLOAT = Codec(str, float)
 OPTIONAL_INT = _optional(int)
 OPTIONAL_FLOAT = _optional(float)
 OPTIONAL_STR = _optional(str)
@@ -137,6 +138,12 @@ class DeploymentSettings:
         "auto", param=STR, metavar="auto|cpu|cuda[:N]",
         help="where the target, its KV pool, fused drafters and the static step run (auto: CUDA when "
              "available); float32 keeps greedy output token-exact on either")
+    # A healthy remote draft round trip takes ~9 ms on the demo model (CPU); past this the step
+    # decodes plainly and the drafter counts as hung until it answers (methods/remote.py).
+    remote_timeout_s: float = setting(
+        1.0, param=FLOAT, flag="--remote-timeout", cli_type=float, metavar="SECONDS",
+        help="a remote drafter call (--placement remote, mtp's remote drafters) that takes longer than "
+             "this decodes its step plainly; the drafter is not called again until it answers")
     max_queue_len: int = setting(
         _ENGINE["max_queue_len"], param=INT,
         help="requests waiting for a KV slot, at most; beyond it requests are refused at once with "

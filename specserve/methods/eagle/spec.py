@@ -15,7 +15,8 @@ def build(ctx: BuildContext):
             raise ValueError("eagle's remote placement calls the eagle_proposal models by BLS: build the "
                              "engine inside target_verifier (or pass its RemoteCalls)")
         return RemoteProposer("eagle", ctx.remote.eagle_proposal, max_draft_len=ctx.max_draft_len,
-                              threshold=ctx.spec_threshold, release=ctx.remote.eagle_release)
+                              threshold=ctx.spec_threshold, release=ctx.remote.eagle_release,
+                              timeout_s=ctx.remote_timeout_s)
     from specserve.methods.eagle.drafter import load_eagle
     from specserve.methods.eagle.proposer import EagleProposer
 

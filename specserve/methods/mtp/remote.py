@@ -199,7 +199,8 @@ class RemoteMTPProposer(RemoteProposer):
         return drafts
 
 
-def remote_mtp(remote: "RemoteCalls", served, *, max_draft_len: int, threshold: float | None) -> RemoteMTPProposer:
+def remote_mtp(remote: "RemoteCalls", served, *, max_draft_len: int, threshold: float | None,
+               timeout_s: float) -> RemoteMTPProposer:
     """The remote `mtp` proposer of a deployment (the mtp spec's builder): `served` are its
     members, the mtp_proposal ensemble's (render.render_mtp_proposal renders the same set);
     `remote` has the BLS calls (specserve.triton.bls.remote_calls)."""
@@ -207,4 +208,5 @@ def remote_mtp(remote: "RemoteCalls", served, *, max_draft_len: int, threshold: 
 
     served = [n for n in SUBPROPOSERS if n in served]
     return RemoteMTPProposer(remote.mtp_proposal(served), served=tuple(served), max_draft_len=max_draft_len,
-                             budget=DEFAULT_BUDGET, threshold=threshold, release=remote.mtp_release(served))
+                             budget=DEFAULT_BUDGET, threshold=threshold, release=remote.mtp_release(served),
+                             timeout_s=timeout_s)

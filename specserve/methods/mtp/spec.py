@@ -29,7 +29,7 @@ def build(ctx: BuildContext):
             raise ValueError("mtp's remote placement calls the mtp_proposal ensemble by BLS: build the engine "
                              "inside target_verifier (or pass its RemoteCalls)")
         return remote_mtp(ctx.remote, served_members(ctx.drafters), max_draft_len=ctx.max_draft_len,
-                          threshold=ctx.spec_threshold)
+                          threshold=ctx.spec_threshold, timeout_s=ctx.remote_timeout_s)
     from specserve.methods.mtp.proposer import MultiDraftProposer
 
     subs = [ctx.built[m.name] for m in SPEC.members if m.drafter != SPEC.name and m.name in ctx.built]
