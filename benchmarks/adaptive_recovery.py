@@ -22,7 +22,6 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -63,21 +62,15 @@ def run_phase(client, texts: list[str], new_tokens: int) -> dict:
 
 
 def one_server(policy: str, texts: list[str], new_tokens: int, hogs: int, log=print) -> dict:
+    from serving_phases import started_server
     from specserve.triton.client import StreamClient
-    from specserve.triton.launch import TritonServer
     from specserve.serving.settings import DeploymentSettings
-    from specserve.triton.render import render_repository
 
-    work = Path(tempfile.mkdtemp(prefix=f"adaptive-recovery-{policy}-"))
     settings = DeploymentSettings(DEMO / "target", max_num_seqs=4, max_model_len=1024, max_draft_len=8,
                                   default_method="eagle", drafters=(("eagle", str(DEMO / "eagle")),),
                                   draft_policy=policy)
-    srv = TritonServer(render_repository(settings, work / "model_repository"), work, None,
-                       log_file=work / "tritonserver.log", exit_timeout_s=5)
-    srv.start()
     out = {}
-    try:
-        srv.wait_ready(300)
+    with started_server(settings, f"adaptive-recovery-{policy}-") as srv:
         client = StreamClient(srv.grpc_url)
         client.generate(texts[0], {"max_tokens": 16, "spec_method": "eagle"})   # warm-up, not counted
         for phase in PHASES:
@@ -89,8 +82,6 @@ def one_server(policy: str, texts: list[str], new_tokens: int, hogs: int, log=pr
                     p.kill()
                     p.wait()
             log(f"{policy} {phase}: {json.dumps(out[phase])}")
-    finally:
-        srv.stop()
     return out
 
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "demo"
@@ -24,6 +25,24 @@ def alternated_prompts(n_per_kind: int) -> list[dict]:
     return out
 
 
+@contextmanager
+def started_server(settings, prefix: str = "serving-phases-") -> Iterator[object]:
+    """A tritonserver rendered from DeploymentSettings `settings` in a fresh temporary folder,
+    ready; stopped on exit (its log stays in that folder)."""
+    from specserve.triton.launch import TritonServer
+    from specserve.triton.render import render_repository
+
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    srv = TritonServer(render_repository(settings, work / "model_repository"), work, None,
+                       log_file=work / "tritonserver.log", exit_timeout_s=5)
+    srv.start()
+    try:
+        srv.wait_ready(300)
+        yield srv
+    finally:
+        srv.stop()
+
+
 def run_phases(settings, configs: list[str], sampling: Callable[[object, str], dict], *, prompts: list[dict],
                concurrencies: list[int], new_tokens: int, reference: str = "none", log=print) -> dict:
     """{concurrency: {config: summary}} for a server rendered from DeploymentSettings `settings`;
@@ -31,8 +50,6 @@ def run_phases(settings, configs: list[str], sampling: Callable[[object, str], d
     from specserve.cli.bench.metrics import speculation, summarize
     from specserve.cli.bench.runner import StreamDriver, run_phase
     from specserve.cli.bench.workload import WorkloadRequest
-    from specserve.triton.launch import TritonServer
-    from specserve.triton.render import render_repository
     from specserve.model.tokenizer import load_tokenizer
 
     class Driver(StreamDriver):
@@ -40,13 +57,8 @@ def run_phases(settings, configs: list[str], sampling: Callable[[object, str], d
             return sampling(req, config)
 
     tok = load_tokenizer(DEMO / "target")
-    work = Path(tempfile.mkdtemp(prefix="serving-phases-"))
-    srv = TritonServer(render_repository(settings, work / "model_repository"), work, None,
-                       log_file=work / "tritonserver.log", exit_timeout_s=5)
-    srv.start()
     phases = {}
-    try:
-        srv.wait_ready(300)
+    with started_server(settings) as srv:
         driver = Driver(srv.grpc_url)
         for c in concurrencies:
             # At concurrency C a block holds at least C requests (so C are really in flight);
@@ -74,6 +86,4 @@ def run_phases(settings, configs: list[str], sampling: Callable[[object, str], d
                         "guard_steps": sum(r.spec_stats.get("guard_steps", 0) for r in recs),
                         "tokens_per_s_per_request": sum(r.num_output_tokens for r in recs) / secs if secs else None}
             phases[c] = summary
-    finally:
-        srv.stop()
     return phases
