@@ -396,23 +396,21 @@ def _drafters(args: argparse.Namespace) -> int:
         raise CliError(f"no admin key: set ${ADMIN_KEY_ENV} or pass --admin-key-file (the server's "
                        f"work dir holds {ADMIN_KEY_FILE})")
     try:
-        if args.action == "publish" and args.classifier:
-            if args.drafter or args.target:
-                raise CliError("drafters publish takes either --classifier or --target and --drafter")
-            version = drafters.publish_classifier(args.classifier, args.repository)
-            print(f"published {args.classifier} as version {version} of text_classifier")
-            if args.load:
-                drafters.load(args.url, "text_classifier", key)
-                print("loaded text_classifier")
-            return 0
         if args.action == "publish":
-            if not args.target or not args.drafter:
-                raise CliError("drafters publish needs --target and --drafter")
-            version = drafters.publish(args.target, args.drafter, args.repository)
-            print(f"published {args.drafter} as version {version} of eagle_backbone / calibration_head")
+            if args.classifier:
+                if args.drafter or args.target:
+                    raise CliError("drafters publish takes either --classifier or --target and --drafter")
+                source, version = args.classifier, drafters.publish_classifier(args.classifier, args.repository)
+                published, ensemble = "text_classifier", "text_classifier"
+            else:
+                if not args.target or not args.drafter:
+                    raise CliError("drafters publish needs --target and --drafter")
+                source, version = args.drafter, drafters.publish(args.target, args.drafter, args.repository)
+                published, ensemble = "eagle_backbone / calibration_head", "eagle_proposal"
+            print(f"published {source} as version {version} of {published}")
             if args.load:
-                drafters.load(args.url, "eagle_proposal", key)
-                print("loaded eagle_proposal")
+                drafters.load(args.url, ensemble, key)
+                print(f"loaded {ensemble}")
             return 0
         if args.action == "list":
             for m in drafters.list_models(args.url, key):
