@@ -46,7 +46,7 @@ class TensorSpec:
 
 
 _NUMPY = {"STRING": np.object_, "BOOL": np.bool_, "INT64": np.int64, "INT32": np.int32,
-          "UINT32": np.uint32, "FP32": np.float32}
+          "UINT32": np.uint32, "FP32": np.float32, "FP64": np.float64}
 
 # -- the ensemble (what users call) --------------------------------------------------------------
 # Required, but declared optional: Triton 2.51's ensemble answers a request that lacks a required
@@ -148,8 +148,10 @@ def tier_of_preprocess(model_name: str) -> str | None:
 # -- remote drafters (hot-loadable; called by target_verifier through BLS) ---------------------------
 # eagle_proposal = ensemble(eagle_backbone → calibration_head). The engine sends, per row, the
 # sequence id, how many drafter pairs it believes the drafter holds, the new pairs (true target
-# features and the tokens that follow them) and the draft budget; it gets back greedy draft tokens
-# and each position's predicted acceptance probability. See specserve/methods/eagle/onnx_runtime.py.
+# features and the tokens that follow them), the draft budget and the row's sampling; it gets back
+# draft tokens (greedy, or for a seeded row argmax(log q~ + g(seed, position)) with the target's
+# noise: core/sampling.py) and each position's predicted acceptance probability. See
+# specserve/methods/eagle/onnx_runtime.py.
 SEQ_IDS = TensorSpec("seq_ids", "INT64", (-1,))
 VALID_FROM = TensorSpec("valid_from", "INT64", (-1,))
 NUM_NEW = TensorSpec("num_new", "INT64", (-1,))
@@ -162,8 +164,16 @@ DRAFT_SCALARS = TensorSpec("draft_scalars", "FP32", (-1, -1, 3))
 UNKNOWN = TensorSpec("unknown", "BOOL", (-1,))
 ACCEPT_PROB = TensorSpec("accept_prob", "FP32", (-1, -1))
 RELEASE_IDS = TensorSpec("release_ids", "INT64", (-1,), optional=True)
+# Each row's sampling, for drafters that propose with a seeded row's noise: temperature 0 for
+# rows that draft greedily (greedy and unseeded requests); the seed's 64 bits as an int64
+# (sampling.seed_tensor); float64 so the warped distribution is the engine's to the last bit.
+ROW_SEED = TensorSpec("row_seed", "INT64", (-1,))
+ROW_TEMPERATURE = TensorSpec("row_temperature", "FP64", (-1,))
+ROW_TOP_K = TensorSpec("row_top_k", "INT64", (-1,))
+ROW_TOP_P = TensorSpec("row_top_p", "FP64", (-1,))
+ROW_SAMPLING = (ROW_SEED, ROW_TEMPERATURE, ROW_TOP_K, ROW_TOP_P)
 
-_DRAFT_IN = (SEQ_IDS, VALID_FROM, NUM_NEW, FEATURES, NEXT_TOKENS, MAX_DRAFT_LEN)
+_DRAFT_IN = (SEQ_IDS, VALID_FROM, NUM_NEW, FEATURES, NEXT_TOKENS, MAX_DRAFT_LEN, *ROW_SAMPLING)
 # eagle_backbone also takes release_ids alone (the engine frees a finished sequence's state), so
 # its draft inputs are optional there and checked by the adapter.
 EAGLE_BACKBONE = ModelSpec("eagle_backbone", tuple(replace(t, optional=True) for t in _DRAFT_IN) + (RELEASE_IDS,),

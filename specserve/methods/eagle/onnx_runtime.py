@@ -6,10 +6,15 @@ only convert tensors); it is plain Python so it is tested without a server.
 
 Per step the engine sends, for each of its rows: the sequence id, the true target features of
 the tokens committed since the last call (`num_new` of them) with the tokens that follow each
-(t_{i+1}), and the most tokens it may draft. The backbone appends those pairs to the sequence's
-cache (its state), then drafts greedily up to `max_draft_len` tokens on a scratch copy, so the
-speculative pairs are never committed. Drafts are argmax choices, so the engine verifies them
-as point masses (lossless for sampled requests too).
+(t_{i+1}), the most tokens it may draft, and the row's sampling. The backbone appends those
+pairs to the sequence's cache (its state), then drafts up to `max_draft_len` tokens on a scratch
+copy, so the speculative pairs are never committed. A row drafts greedily (argmax: the engine
+verifies it as a point mass, lossless for unseeded sampled requests too) unless it is seeded:
+then draft token j is the fused drafter's choice, argmax(log q~ + g(seed, position)) with the
+target's own noise (core/sampling.seeded_tokens), so a drafter close to the target proposes the
+target's token. Worked example: 5 committed tokens t_0..t_4 (valid_from 3, num_new 2: pairs 3
+and 4 arrive) and pending t_5; after ingesting, the sequence holds 5 pairs, and draft token j
+predicts sequence index 6 + j = holds + 1 + j, which is len(token_ids) + j on the engine side.
 
 A sequence the runtime has not seen (new, or the drafter was reloaded) must arrive with its
 whole history (`valid_from == 0`); otherwise it is reported in `unknown`, and the engine
@@ -23,7 +28,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+import torch
 
+from specserve.core.sampling import SamplingParams, seeded_tokens
 from specserve.methods.eagle.drafter import CALIBRATION_POSITIONS
 
 
@@ -36,6 +43,19 @@ class DraftBatch:
     features: np.ndarray       # [B, Tmax, D] float32, row b valid for its first num_new[b]
     next_tokens: np.ndarray    # [B, Tmax] int64
     max_draft_len: np.ndarray  # [B] int64
+    # Each row's sampling (schema.ROW_SAMPLING); absent (a caller that sends none, e.g. an
+    # older engine) or temperature 0: the row drafts greedily.
+    row_seed: np.ndarray | None = None         # [B] int64: the seed's bits
+    row_temperature: np.ndarray | None = None  # [B] float64
+    row_top_k: np.ndarray | None = None        # [B] int64
+    row_top_p: np.ndarray | None = None        # [B] float64
+
+    def seeded_params(self, b: int) -> SamplingParams | None:
+        """Row b's sampling when it drafts with its seed's noise, else None (greedy drafts)."""
+        if self.row_temperature is None or not self.row_temperature[b] > 0:
+            return None
+        return SamplingParams(temperature=float(self.row_temperature[b]), top_k=int(self.row_top_k[b]),
+                              top_p=float(self.row_top_p[b]), seed=int(self.row_seed[b]) % 2 ** 64)
 
 
 @dataclass
@@ -164,8 +184,12 @@ class EagleOnnxRuntime:
             st.valid += n
             h, lg = hidden[0, -1], logits[0, -1]
             k_scratch, v_scratch = st.k, st.v
+            params = batch.seeded_params(b)
             for j in range(int(batch.max_draft_len[b])):
                 tok, top1, ent = _softmax_stats(lg)
+                if params is not None:   # the coupled choice at sequence index st.valid + 1 + j
+                    tok = seeded_tokens(torch.from_numpy(np.ascontiguousarray(lg[None])), params,
+                                        [st.valid + 1 + j])[0]
                 out_tokens[b, j] = tok
                 out_hidden[b, j] = h
                 out_scalars[b, j] = (top1, ent, j / CALIBRATION_POSITIONS)

@@ -147,7 +147,8 @@ def in_process_call(eagle_call: Callable[[dict], dict] | None, *, heads: Callabl
         unknown = np.zeros(B, dtype=bool)
         if eagle_call is not None:
             e = eagle_call({k: inputs[k] for k in ("seq_ids", "valid_from", "num_new", "features", "next_tokens",
-                                                   "max_draft_len")})
+                                                   "max_draft_len", "row_seed", "row_temperature", "row_top_k",
+                                                   "row_top_p") if k in inputs})
             drafted.update(draft_tokens=e["draft_tokens"], accept_prob=e.get("accept_prob"),
                            draft_scalars=e.get("draft_scalars"))
             unknown = e["unknown"]
