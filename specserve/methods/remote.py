@@ -7,7 +7,7 @@ re-primes it by sending the whole history. If the call fails (the model is unloa
 the step raises ProposerError and the engine decodes those rows plainly; nothing is lost, since
 the history still holds every feature. Greedy drafts are point masses, so verification stays
 lossless for sampled requests as well; each row's sampling travels too (schema.ROW_SAMPLING), so
-a drafter that can proposes with a seeded row's noise, as the fused drafters do.
+a drafter that can proposes with a seeded row's noise, as the fused drafters do (row_sampling.py).
 
 A drafter that HANGS (rather than refusing) must not hang the engine: every call runs on one
 worker thread and is waited for at most `timeout_s`; past it the step decodes plainly, and while
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, ProposerUnavailable, StepOutcome
-from specserve.core.sampling import seed_tensor
+from specserve.methods import row_sampling
 
 log = logging.getLogger("specserve.remote")
 
@@ -108,7 +108,7 @@ class RemoteProposer(ProposerDefaults):
                 "valid_from": np.array(starts, dtype=np.int64), "num_new": np.array(counts, dtype=np.int64),
                 "features": features, "next_tokens": next_tokens,
                 "max_draft_len": np.array([self._request_len(requests[i]) for i in rows], dtype=np.int64),
-                **row_sampling([requests[i] for i in rows])}
+                **row_sampling.encode([requests[i] for i in rows])}
 
     def _threshold(self, r: DraftRequest) -> float | None:
         return self.threshold if r.threshold is None else r.threshold
@@ -220,16 +220,6 @@ class RemoteProposer(ProposerDefaults):
             self._release([seq_id])
         except Exception as e:  # noqa: BLE001 — an unloaded drafter has no state to free
             log.info("%s: release of sequence %d not delivered (%s)", self.name, seq_id, e)
-
-
-def row_sampling(requests: list[DraftRequest]) -> dict[str, np.ndarray]:
-    """schema.ROW_SAMPLING for these rows: a seeded row's temperature, top-k, top-p and seed;
-    temperature 0 (draft greedily) for greedy and unseeded rows."""
-    coupled = [r.seed is not None for r in requests]
-    return {"row_seed": seed_tensor([r.seed if c else 0 for r, c in zip(requests, coupled)]).numpy(),
-            "row_temperature": np.array([r.params.temperature if c else 0.0 for r, c in zip(requests, coupled)]),
-            "row_top_k": np.array([r.params.top_k for r in requests], dtype=np.int64),
-            "row_top_p": np.array([r.params.top_p for r in requests], dtype=np.float64)}
 
 
 def calibration_cut(tokens: np.ndarray, probs: np.ndarray | None, threshold: float | None) -> list[int]:

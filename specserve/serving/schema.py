@@ -207,10 +207,15 @@ TREE_SOURCES = TensorSpec("tree_sources", "INT64", (-1, -1))
 
 NGRAM_DRAFTER = ModelSpec("ngram_drafter", (CONTEXT_TOKENS, MAX_DRAFT_LEN), (NGRAM_TOKENS,))
 # Stateless: the last of each row's new feature rows is the target's f_t (features[b, num_new[b]-1]).
-MTP_HEADS = ModelSpec("mtp_heads", (FEATURES, NUM_NEW, MAX_DRAFT_LEN), (HEADS_TOKENS, HEADS_LOGPROBS))
+# valid_from and the rows' sampling (optional: without them every chain is greedy) place a seeded
+# row's heads at their sequence indices, valid_from + num_new + 1 + j, for its noise.
+MTP_HEADS = ModelSpec("mtp_heads", (FEATURES, NUM_NEW, MAX_DRAFT_LEN)
+                      + tuple(replace(t, optional=True) for t in (VALID_FROM, *ROW_SAMPLING)),
+                      (HEADS_TOKENS, HEADS_LOGPROBS))
 # The draft model's KV cache per sequence (keyed by seq_ids), brought up to each row's
 # context_tokens every call, so it needs no re-priming; release_ids alone frees sequences.
-DRAFT_DRAFTER = ModelSpec("draft_drafter", tuple(replace(t, optional=True) for t in (SEQ_IDS, CONTEXT_TOKENS, MAX_DRAFT_LEN))
+DRAFT_DRAFTER = ModelSpec("draft_drafter", tuple(replace(t, optional=True)
+                                                for t in (SEQ_IDS, CONTEXT_TOKENS, MAX_DRAFT_LEN, *ROW_SAMPLING))
                           + (RELEASE_IDS,), (DRAFT_MODEL_TOKENS, DRAFT_MODEL_LOGPROBS))
 TREE_SETTINGS = (TREE_BUDGET, PROPOSER_MASK, ROW_THRESHOLD)
 # The drafters' outputs are optional: when the ensemble fails (a drafter unloaded), the engine

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from specserve.core.sampling import SamplingParams, seeded_tokens
+from specserve.methods import row_sampling
 from specserve.methods.eagle.drafter import CALIBRATION_POSITIONS
 
 
@@ -43,19 +44,16 @@ class DraftBatch:
     features: np.ndarray       # [B, Tmax, D] float32, row b valid for its first num_new[b]
     next_tokens: np.ndarray    # [B, Tmax] int64
     max_draft_len: np.ndarray  # [B] int64
-    # Each row's sampling (schema.ROW_SAMPLING); absent (a caller that sends none, e.g. an
-    # older engine) or temperature 0: the row drafts greedily.
+    # Each row's sampling (methods/row_sampling.py); absent or temperature 0: the row drafts greedily.
     row_seed: np.ndarray | None = None         # [B] int64: the seed's bits
     row_temperature: np.ndarray | None = None  # [B] float64
     row_top_k: np.ndarray | None = None        # [B] int64
     row_top_p: np.ndarray | None = None        # [B] float64
 
-    def seeded_params(self, b: int) -> SamplingParams | None:
-        """Row b's sampling when it drafts with its seed's noise, else None (greedy drafts)."""
-        if self.row_temperature is None or not self.row_temperature[b] > 0:
-            return None
-        return SamplingParams(temperature=float(self.row_temperature[b]), top_k=int(self.row_top_k[b]),
-                              top_p=float(self.row_top_p[b]), seed=int(self.row_seed[b]) % 2 ** 64)
+    def seeded_params(self) -> list[SamplingParams | None]:
+        """Per row, its sampling when it drafts with its seed's noise, else None (greedy)."""
+        return row_sampling.decode(self.row_seed, self.row_temperature, self.row_top_k, self.row_top_p,
+                                   len(self.seq_ids))
 
 
 @dataclass
@@ -170,6 +168,7 @@ class EagleOnnxRuntime:
         out_hidden = np.zeros((B, K, D), dtype=np.float32)
         out_scalars = np.zeros((B, K, 3), dtype=np.float32)
         unknown = np.zeros(B, dtype=bool)
+        seeded = batch.seeded_params()
         for b in range(B):
             sid, start, n = int(batch.seq_ids[b]), int(batch.valid_from[b]), int(batch.num_new[b])
             st = self.states.get(sid)
@@ -184,7 +183,7 @@ class EagleOnnxRuntime:
             st.valid += n
             h, lg = hidden[0, -1], logits[0, -1]
             k_scratch, v_scratch = st.k, st.v
-            params = batch.seeded_params(b)
+            params = seeded[b]
             for j in range(int(batch.max_draft_len[b])):
                 tok, top1, ent = _softmax_stats(lg)
                 if params is not None:   # the coupled choice at sequence index st.valid + 1 + j

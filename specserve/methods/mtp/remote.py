@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from specserve.methods import row_sampling
 from specserve.methods.mtp.arbiter import ArbiterConfig, Candidate, arbitrate
 from specserve.core.proposer import Draft, DraftRequest
 from specserve.methods.mtp.proposer import OPT_BUDGET, OPT_PROPOSERS, SUBPROPOSERS
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("specserve.remote_mtp")
 
 NGRAM = NgramProposer()   # the fused method's n-gram settings, shared
+SAMPLING_KEYS = row_sampling.NAMES
 
 
 def mask_of(names) -> int:
@@ -120,7 +122,8 @@ def arbitrate_batch(inputs: dict[str, np.ndarray | None], config: ArbiterConfig 
 def heads_call(rt) -> Callable[[dict], dict]:
     """mtp_heads as a function of the ensemble's inputs (rt: remote_mtp_drafters.HeadsOnnxRuntime)."""
     def call(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        tokens, lps = rt.chains(inputs["features"], inputs["num_new"], inputs["max_draft_len"])
+        tokens, lps = rt.chains(inputs["features"], inputs["num_new"], inputs["max_draft_len"],
+                                *(inputs.get(k) for k in ("valid_from", *SAMPLING_KEYS)))
         return {"heads_tokens": tokens, "heads_logprobs": lps}
     return call
 
@@ -128,7 +131,8 @@ def heads_call(rt) -> Callable[[dict], dict]:
 def draft_call(service) -> Callable[[dict], dict]:
     """draft_drafter as a function of the ensemble's inputs (remote_mtp_drafters.DraftModelService)."""
     def call(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        tokens, lps = service.chains(inputs["seq_ids"], inputs["context_tokens"], inputs["max_draft_len"])
+        tokens, lps = service.chains(inputs["seq_ids"], inputs["context_tokens"], inputs["max_draft_len"],
+                                     *(inputs.get(k) for k in SAMPLING_KEYS))
         return {"draft_model_tokens": tokens, "draft_model_logprobs": lps}
     return call
 
@@ -147,8 +151,7 @@ def in_process_call(eagle_call: Callable[[dict], dict] | None, *, heads: Callabl
         unknown = np.zeros(B, dtype=bool)
         if eagle_call is not None:
             e = eagle_call({k: inputs[k] for k in ("seq_ids", "valid_from", "num_new", "features", "next_tokens",
-                                                   "max_draft_len", "row_seed", "row_temperature", "row_top_k",
-                                                   "row_top_p") if k in inputs})
+                                                   "max_draft_len", *SAMPLING_KEYS) if k in inputs})
             drafted.update(draft_tokens=e["draft_tokens"], accept_prob=e.get("accept_prob"),
                            draft_scalars=e.get("draft_scalars"))
             unknown = e["unknown"]
