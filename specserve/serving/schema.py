@@ -161,6 +161,9 @@ MAX_DRAFT_LEN = TensorSpec("max_draft_len", "INT64", (-1,))
 DRAFT_TOKENS = TensorSpec("draft_tokens", "INT64", (-1, -1))
 DRAFT_HIDDEN = TensorSpec("draft_hidden", "FP32", (-1, -1, -1))
 DRAFT_SCALARS = TensorSpec("draft_scalars", "FP32", (-1, -1, 3))
+# log q(draft token) per position: remote mtp's arbiter scores EAGLE's chain by it, as fused mtp
+# scores the fused drafter's (a seeded row's token need not be q's top-1).
+DRAFT_LOGPROBS = TensorSpec("draft_logprobs", "FP32", (-1, -1))
 UNKNOWN = TensorSpec("unknown", "BOOL", (-1,))
 ACCEPT_PROB = TensorSpec("accept_prob", "FP32", (-1, -1))
 RELEASE_IDS = TensorSpec("release_ids", "INT64", (-1,), optional=True)
@@ -177,7 +180,7 @@ _DRAFT_IN = (SEQ_IDS, VALID_FROM, NUM_NEW, FEATURES, NEXT_TOKENS, MAX_DRAFT_LEN,
 # eagle_backbone also takes release_ids alone (the engine frees a finished sequence's state), so
 # its draft inputs are optional there and checked by the adapter.
 EAGLE_BACKBONE = ModelSpec("eagle_backbone", tuple(replace(t, optional=True) for t in _DRAFT_IN) + (RELEASE_IDS,),
-                           (DRAFT_TOKENS, DRAFT_HIDDEN, DRAFT_SCALARS, UNKNOWN))
+                           (DRAFT_TOKENS, DRAFT_HIDDEN, DRAFT_SCALARS, DRAFT_LOGPROBS, UNKNOWN))
 CALIBRATION_HEAD = ModelSpec("calibration_head", (DRAFT_HIDDEN, DRAFT_SCALARS), (ACCEPT_PROB,))
 EAGLE_PROPOSAL = ModelSpec("eagle_proposal", _DRAFT_IN, (DRAFT_TOKENS, ACCEPT_PROB, UNKNOWN))
 EAGLE_PROPOSAL_STEPS = (EAGLE_BACKBONE, CALIBRATION_HEAD)
@@ -221,7 +224,7 @@ TREE_SETTINGS = (TREE_BUDGET, PROPOSER_MASK, ROW_THRESHOLD)
 # The drafters' outputs are optional: when the ensemble fails (a drafter unloaded), the engine
 # calls the drafters that are still loaded one by one and the arbiter with what they returned.
 MTP_ARBITER = ModelSpec("mtp_arbiter", tuple(replace(t, optional=True) for t in
-                                             (DRAFT_TOKENS, DRAFT_SCALARS, ACCEPT_PROB, NGRAM_TOKENS, HEADS_TOKENS,
+                                             (DRAFT_TOKENS, DRAFT_SCALARS, DRAFT_LOGPROBS, ACCEPT_PROB, NGRAM_TOKENS, HEADS_TOKENS,
                                               HEADS_LOGPROBS, DRAFT_MODEL_TOKENS, DRAFT_MODEL_LOGPROBS))
                         + TREE_SETTINGS, (TREE_TOKENS, TREE_PARENTS, TREE_SOURCES))
 MTP_PROPOSAL = ModelSpec("mtp_proposal", _DRAFT_IN + (CONTEXT_TOKENS,) + TREE_SETTINGS,

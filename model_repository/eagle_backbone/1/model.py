@@ -48,10 +48,12 @@ class TritonPythonModel:
                     res = self.rt.draft(DraftBatch(**arrays, **sampling))
                 if res is None:
                     outs = [_out(schema.DRAFT_TOKENS, np.zeros((0, 0))), _out(schema.DRAFT_HIDDEN, np.zeros((0, 0, self.hidden))),
-                            _out(schema.DRAFT_SCALARS, np.zeros((0, 0, 3))), _out(schema.UNKNOWN, np.zeros(0))]
+                            _out(schema.DRAFT_SCALARS, np.zeros((0, 0, 3))), _out(schema.DRAFT_LOGPROBS, np.zeros((0, 0))),
+                            _out(schema.UNKNOWN, np.zeros(0))]
                 else:
                     outs = [_out(schema.DRAFT_TOKENS, res.tokens), _out(schema.DRAFT_HIDDEN, res.hidden),
-                            _out(schema.DRAFT_SCALARS, res.scalars), _out(schema.UNKNOWN, res.unknown)]
+                            _out(schema.DRAFT_SCALARS, res.scalars), _out(schema.DRAFT_LOGPROBS, res.logprobs),
+                            _out(schema.UNKNOWN, res.unknown)]
                 responses.append(pb_utils.InferenceResponse(output_tensors=outs))
             except Exception as e:  # noqa: BLE001 — answer this request with the error, keep serving
                 responses.append(pb.error_response(f"eagle_backbone: {e}"))

@@ -61,6 +61,7 @@ class DraftResult:
     tokens: np.ndarray         # [B, K] int64 (K = max over rows of max_draft_len; -1 = none)
     hidden: np.ndarray         # [B, K, D] float32 draft hidden state per position
     scalars: np.ndarray        # [B, K, 3] float32 (top-1 prob, entropy, position / 8)
+    logprobs: np.ndarray       # [B, K] float32 log q(draft token) (0 padded)
     unknown: np.ndarray        # [B] bool: the runtime lacks this sequence's history; re-prime it
 
 
@@ -130,13 +131,14 @@ class _State:
     valid: int = 0
 
 
-def _softmax_stats(logits: np.ndarray) -> tuple[int, float, float]:
+def _softmax_stats(logits: np.ndarray) -> tuple[np.ndarray, int, float, float]:
+    """logits [V] → (q [V] float64, its top-1 token, q(top-1), entropy)."""
     z = logits.astype(np.float64) - logits.max()
     p = np.exp(z)
     p /= p.sum()
     top = int(p.argmax())
     entropy = float(-(p * np.log(np.maximum(p, 1e-30))).sum())
-    return top, float(p[top]), entropy
+    return p, top, float(p[top]), entropy
 
 
 @dataclass
@@ -167,6 +169,7 @@ class EagleOnnxRuntime:
         out_tokens = np.full((B, K), -1, dtype=np.int64)
         out_hidden = np.zeros((B, K, D), dtype=np.float32)
         out_scalars = np.zeros((B, K, 3), dtype=np.float32)
+        out_logprobs = np.zeros((B, K), dtype=np.float32)
         unknown = np.zeros(B, dtype=bool)
         seeded = batch.seeded_params()
         for b in range(B):
@@ -185,20 +188,21 @@ class EagleOnnxRuntime:
             k_scratch, v_scratch = st.k, st.v
             params = seeded[b]
             for j in range(int(batch.max_draft_len[b])):
-                tok, top1, ent = _softmax_stats(lg)
+                q, tok, top1, ent = _softmax_stats(lg)
                 if params is not None:   # the coupled choice at sequence index st.valid + 1 + j
                     tok = seeded_tokens(torch.from_numpy(np.ascontiguousarray(lg[None])), params,
                                         [st.valid + 1 + j])[0]
                 out_tokens[b, j] = tok
                 out_hidden[b, j] = h
                 out_scalars[b, j] = (top1, ent, j / CALIBRATION_POSITIONS)
+                out_logprobs[b, j] = np.log(max(q[tok], 1e-30))
                 if j + 1 == int(batch.max_draft_len[b]):
                     break
                 hh, ll, k_scratch, v_scratch = self._run(h[None, None].astype(np.float32),
                                                          np.array([[tok]], dtype=np.int64),
                                                          st.valid + j, k_scratch, v_scratch)
                 h, lg = hh[0, -1], ll[0, -1]
-        return DraftResult(out_tokens, out_hidden, out_scalars, unknown)
+        return DraftResult(out_tokens, out_hidden, out_scalars, out_logprobs, unknown)
 
     def release(self, seq_ids) -> None:
         for sid in seq_ids:
@@ -229,9 +233,9 @@ def in_process_call(backbone: EagleOnnxRuntime, calibration: CalibrationOnnxRunt
 
     def call(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         res = backbone.draft(DraftBatch(**inputs))
-        # draft_scalars too, as the mtp_proposal ensemble passes them on: remote mtp's arbiter
+        # draft_scalars and draft_logprobs too, as the mtp_proposal ensemble passes them on: remote mtp's arbiter
         # reads EAGLE's confidence from them (remote_mtp._eagle_candidate).
         return {"draft_tokens": res.tokens, "accept_prob": calibration.accept_prob(res.hidden, res.scalars),
-                "draft_scalars": res.scalars, "unknown": res.unknown}
+                "draft_scalars": res.scalars, "draft_logprobs": res.logprobs, "unknown": res.unknown}
 
     return call
