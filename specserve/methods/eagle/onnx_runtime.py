@@ -233,8 +233,8 @@ def in_process_call(backbone: EagleOnnxRuntime, calibration: CalibrationOnnxRunt
 
     def call(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         res = backbone.draft(DraftBatch(**inputs))
-        # draft_scalars and draft_logprobs too, as the mtp_proposal ensemble passes them on: remote mtp's arbiter
-        # reads EAGLE's confidence from them (remote_mtp._eagle_candidate).
+        # draft_scalars and draft_logprobs too, as the mtp_proposal ensemble passes them on:
+        # remote mtp's arbiter reads EAGLE's confidence from them (mtp/remote._eagle_candidate).
         return {"draft_tokens": res.tokens, "accept_prob": calibration.accept_prob(res.hidden, res.scalars),
                 "draft_scalars": res.scalars, "draft_logprobs": res.logprobs, "unknown": res.unknown}
 
