@@ -425,12 +425,18 @@ def four_drafters(target_path, tmp_path_factory):
     return target, drafter, report, heads, out / "mtp_heads.onnx", drafts
 
 
+SEEDED_MTP = [SamplingParams(max_tokens=24, temperature=0.7, top_k=50, seed=31),
+              SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=32)]
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 @pytest.mark.parametrize("draft_kind", ["target", "random"])
-def test_remote_mtp_proposes_the_fused_trees_with_all_four_drafters(four_drafters, draft_kind):
-    """Greedy, 4 sequences batched: remote mtp (in_process_call: the ONNX EAGLE and MTP heads, the
-    draft model's service, n-gram, the arbiter batch) proposes exactly fused mtp's tree at every
-    step, and both credit all four proposers. The draft model's cache is rolled back by observe()
-    fused and by its catch-up remotely; a stale entry would change its drafts."""
+def test_remote_mtp_proposes_the_fused_trees_with_all_four_drafters(four_drafters, draft_kind, sampling):
+    """4 sequences batched, greedy or seeded (every member proposes with the row's noise, remote
+    as fused): remote mtp (in_process_call: the ONNX EAGLE and MTP heads, the draft model's
+    service, n-gram, the arbiter batch) proposes exactly fused mtp's tree at every step, and both
+    credit the same proposers. The draft model's cache is rolled back by observe() fused and by
+    its catch-up remotely; a stale entry would change its drafts."""
     from specserve.methods.draft.proposer import DraftModelProposer
     from specserve.methods.eagle.onnx_runtime import CalibrationOnnxRuntime, EagleOnnxRuntime
     from specserve.methods.eagle.onnx_runtime import in_process_call as eagle_call
@@ -441,6 +447,11 @@ def test_remote_mtp_proposes_the_fused_trees_with_all_four_drafters(four_drafter
 
     target, drafter, report, heads, heads_onnx, drafts = four_drafters
     draft, L, seqs = drafts[draft_kind], 5, 4
+
+    def requests(method):
+        if sampling == "greedy":
+            return reqs(method, n=24)
+        return [GenerationRequest(f"{method}{i}", p, SEEDED_MTP[i % 2], method) for i, p in enumerate(PROMPTS)]
     fused = MultiDraftProposer([MTPHeadsProposer(heads, max_draft_len=L), eagle(target, seed=1, max_draft_len=L),
                                 DraftModelProposer(draft, max_num_seqs=seqs, max_model_len=256, max_draft_len=L),
                                 NgramProposer()], max_draft_len=L, vocab_size=target.cfg.vocab_size)
@@ -456,12 +467,17 @@ def test_remote_mtp_proposes_the_fused_trees_with_all_four_drafters(four_drafter
         rec = Recorder(proposer)
         engine = Engine(target, EngineConfig(max_num_seqs=seqs, max_model_len=256, max_draft_len=L), {"mtp": rec},
                         eos_token_ids=())
-        outputs[kind] = engine.generate(reqs("mtp", n=24))
+        outputs[kind] = engine.generate(requests("mtp"))
         trees[kind] = sorted(rec.trees, key=lambda t: t[:2])
     assert len(trees["fused"]) > 4 * 4 and trees["remote"] == trees["fused"]
     for k, o in outputs["fused"].items():
         assert outputs["remote"][k].new_token_ids == o.new_token_ids
         assert outputs["remote"][k].stats.accepted_by_proposer == o.stats.accepted_by_proposer
+    if sampling == "seeded":
+        plain = Engine(target, EngineConfig(max_num_seqs=seqs, max_model_len=256), {}, eos_token_ids=())
+        for k, o in plain.generate(requests("none")).items():
+            assert outputs["remote"][k.replace("none", "mtp", 1)].new_token_ids == o.new_token_ids, k
+        return
     credited = {p for o in outputs["remote"].values() for p in o.stats.accepted_by_proposer}
     # the target as draft model wins every step; the random one loses to EAGLE and n-gram
     assert credited == ({"draft"} if draft_kind == "target" else {"eagle", "ngram"})

@@ -247,3 +247,49 @@ def test_remote_requests_at_most_probe_beyond_last_kept():
     asked.clear()
     steps(RemoteProposer("eagle", call, max_draft_len=8, threshold=0.5), threshold=0.0)  # per-request: fixed
     assert asked == [[8], [8], [8]]
+
+
+# -- seeded rows: the remote drafter proposes with the request's noise (core/sampling.py) --------------
+
+SEEDED = [SamplingParams(max_tokens=24, temperature=0.7, top_k=50, seed=11),
+          SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=2 ** 64 - 3)]
+
+
+def test_seeded_remote_drafts_equal_fused_seeded_drafts(setup):
+    """Same weights, same noise: the ONNX drafter's seeded draft is the fused one's, token for
+    token (and not its greedy draft, so the seed did travel)."""
+    target, drafter, report = setup
+    prompt = PROMPTS[0]
+    with torch.inference_mode():
+        feats = target.forward(_prefill(target, prompt), None).hidden[0]  # [T, D] prompt features
+    for i, params in enumerate(SEEDED):
+        fused = EagleProposer(drafter, target, max_num_seqs=2, max_model_len=256, max_draft_len=5, threshold=None)
+        remote = RemoteProposer("eagle", Drafter(target, report), max_draft_len=5, threshold=None, timeout_s=600)
+        req = lambda p, seed: DraftRequest(7, prompt + [42], 5, p, None, feats, seed=seed)
+        a, b = fused.propose([req(params, params.seed)]), remote.propose([req(params, params.seed)])
+        assert a[0].tokens == b[0].tokens and len(a[0].tokens) == 5, params
+        greedy = RemoteProposer("eagle", Drafter(target, report), max_draft_len=5, threshold=None, timeout_s=600)
+        assert greedy.propose([req(SamplingParams(), None)])[0].tokens != b[0].tokens, params
+
+
+def _without_seed(drafter):
+    """The drafter's call with the rows' sampling dropped: what a drafter that ignores the seed
+    computes (greedy drafts for every row)."""
+    return lambda inputs: drafter({k: v for k, v in inputs.items() if not k.startswith("row_")})
+
+
+def test_seeded_remote_equals_none_and_accepts_more_than_greedy_drafting(setup):
+    target, _, report = setup
+    reqs = lambda m: [GenerationRequest(f"{m}{i}{j}", p, s, m) for i, p in enumerate(PROMPTS)
+                      for j, s in enumerate(SEEDED)]
+    want = make_engine(target, {}).generate(reqs("none"))
+    accepted = {}
+    for kind, call in (("coupled", Drafter(target, report)), ("greedy", _without_seed(Drafter(target, report)))):
+        remote = RemoteProposer("eagle", call, max_draft_len=5, threshold=None, timeout_s=600)
+        got = make_engine(target, {"eagle": remote}).generate(reqs("eagle"))
+        for rid, out in want.items():
+            assert got[rid.replace("none", "eagle")].new_token_ids == out.new_token_ids, (kind, rid)
+        stats = [o.stats for o in got.values()]
+        assert all(s.proposer_errors == 0 and s.draft_tokens > 0 for s in stats), kind
+        accepted[kind] = sum(s.accepted_tokens for s in stats)
+    assert accepted["coupled"] > accepted["greedy"], accepted

@@ -1,10 +1,12 @@
 """DFlash through a real tritonserver on the demo model: greedy output equals plain decoding, a bad
-spec_fallback gets its error naming the field, and the text-type gate (the committed classifier)
-keeps dflash for a code prompt and runs the fallback for a prose prompt where a tier says so."""
+spec_fallback gets its error naming the field, the text-type gate (the committed classifier)
+keeps dflash for a code prompt and runs the fallback for a prose prompt where a tier says so, and
+seeded sampled output equals plain seeded decoding alone and in a mixed batch."""
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -78,3 +80,37 @@ def test_the_text_gate_routes_prose_to_the_fallback_and_keeps_dflash_for_code(se
         assert (st["method"], st["text_gate"]["decision"], st["text_gate"]["text_type"]) == \
             (method, decision, row["kind"]), st
         assert st["draft_tokens"] > 0
+
+
+# -- seeded sampling (core/sampling.py): the seed alone decides the text, DFlash's block included ------
+
+SEEDED = [{"temperature": 0.7, "top_k": 50, "seed": 21}, {"temperature": 1.0, "top_p": 0.9, "seed": 22}]
+
+
+def seeded(srv, prompt, method, sampling, max_tokens=40):
+    return StreamClient(srv.grpc_url).generate(
+        prompt, {"max_tokens": max_tokens, "ignore_eos": True, "spec_method": method, **sampling}, timeout=300)
+
+
+def test_seeded_dflash_equals_none_alone_and_in_a_mixed_batch(server):
+    """DFlash's fused block drafter proposes with the request's noise: each seeded text is none's
+    for the same seed, alone and among concurrent requests of other methods and seeds, greedy
+    and unseeded (max_num_seqs 4: the batch holds them together)."""
+    rows = [json.loads(line) for line in (DEMO / "heldout_prompts.jsonl").read_text().splitlines()]
+    code, prose = rows[1]["prompt"], rows[-1]["prompt"]
+    cases = [(code, SEEDED[0]), (prose, SEEDED[1])]
+    want = [seeded(server, p, "none", s).text for p, s in cases]
+    for (p, s), text in zip(cases, want):
+        got = seeded(server, p, "dflash", s)
+        assert got.text == text, s
+        st = got.spec_stats
+        assert st["method"] == "dflash" and st["draft_tokens"] > 0 and st["proposer_errors"] == 0, st
+    jobs = [("dflash", code, SEEDED[0]), ("dflash", prose, SEEDED[1]), ("ngram", code, SEEDED[1]),
+            ("dflash", prose, {}), ("none", code, {"temperature": 1.0}), ("dflash", code, {"temperature": 0.7})]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda j: seeded(server, j[1], j[0], j[2]), jobs))
+    assert results[0].text == want[0] and results[1].text == want[1]
+    assert results[2].text == seeded(server, code, "none", SEEDED[1]).text
+    for r in results[:2]:
+        assert r.spec_stats["draft_tokens"] > 0 and r.spec_stats["proposer_errors"] == 0, r.spec_stats
+    assert all(r.finish_reason == "length" for r in results)

@@ -6,7 +6,8 @@ says it does not know a sequence (it was unloaded and loaded again, or restarted
 re-primes it by sending the whole history. If the call fails (the model is unloaded, not ready),
 the step raises ProposerError and the engine decodes those rows plainly; nothing is lost, since
 the history still holds every feature. Greedy drafts are point masses, so verification stays
-lossless for sampled requests as well.
+lossless for sampled requests as well; each row's sampling travels too (schema.ROW_SAMPLING), so
+a drafter that can proposes with a seeded row's noise, as the fused drafters do (row_sampling.py).
 
 A drafter that HANGS (rather than refusing) must not hang the engine: every call runs on one
 worker thread and is waited for at most `timeout_s`; past it the step decodes plainly, and while
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 
 from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, ProposerUnavailable, StepOutcome
+from specserve.methods import row_sampling
 
 log = logging.getLogger("specserve.remote")
 
@@ -105,7 +107,8 @@ class RemoteProposer(ProposerDefaults):
         return {"seq_ids": np.array([requests[i].seq_id for i in rows], dtype=np.int64),
                 "valid_from": np.array(starts, dtype=np.int64), "num_new": np.array(counts, dtype=np.int64),
                 "features": features, "next_tokens": next_tokens,
-                "max_draft_len": np.array([self._request_len(requests[i]) for i in rows], dtype=np.int64)}
+                "max_draft_len": np.array([self._request_len(requests[i]) for i in rows], dtype=np.int64),
+                **row_sampling.encode([requests[i] for i in rows])}
 
     def _threshold(self, r: DraftRequest) -> float | None:
         return self.threshold if r.threshold is None else r.threshold

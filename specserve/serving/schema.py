@@ -46,7 +46,7 @@ class TensorSpec:
 
 
 _NUMPY = {"STRING": np.object_, "BOOL": np.bool_, "INT64": np.int64, "INT32": np.int32,
-          "UINT32": np.uint32, "FP32": np.float32}
+          "UINT32": np.uint32, "FP32": np.float32, "FP64": np.float64}
 
 # -- the ensemble (what users call) --------------------------------------------------------------
 # Required, but declared optional: Triton 2.51's ensemble answers a request that lacks a required
@@ -148,8 +148,10 @@ def tier_of_preprocess(model_name: str) -> str | None:
 # -- remote drafters (hot-loadable; called by target_verifier through BLS) ---------------------------
 # eagle_proposal = ensemble(eagle_backbone → calibration_head). The engine sends, per row, the
 # sequence id, how many drafter pairs it believes the drafter holds, the new pairs (true target
-# features and the tokens that follow them) and the draft budget; it gets back greedy draft tokens
-# and each position's predicted acceptance probability. See specserve/methods/eagle/onnx_runtime.py.
+# features and the tokens that follow them), the draft budget and the row's sampling; it gets back
+# draft tokens (greedy, or for a seeded row argmax(log q~ + g(seed, position)) with the target's
+# noise: core/sampling.py) and each position's predicted acceptance probability. See
+# specserve/methods/eagle/onnx_runtime.py.
 SEQ_IDS = TensorSpec("seq_ids", "INT64", (-1,))
 VALID_FROM = TensorSpec("valid_from", "INT64", (-1,))
 NUM_NEW = TensorSpec("num_new", "INT64", (-1,))
@@ -159,15 +161,26 @@ MAX_DRAFT_LEN = TensorSpec("max_draft_len", "INT64", (-1,))
 DRAFT_TOKENS = TensorSpec("draft_tokens", "INT64", (-1, -1))
 DRAFT_HIDDEN = TensorSpec("draft_hidden", "FP32", (-1, -1, -1))
 DRAFT_SCALARS = TensorSpec("draft_scalars", "FP32", (-1, -1, 3))
+# log q(draft token) per position: remote mtp's arbiter scores EAGLE's chain by it, as fused mtp
+# scores the fused drafter's (a seeded row's token need not be q's top-1).
+DRAFT_LOGPROBS = TensorSpec("draft_logprobs", "FP32", (-1, -1))
 UNKNOWN = TensorSpec("unknown", "BOOL", (-1,))
 ACCEPT_PROB = TensorSpec("accept_prob", "FP32", (-1, -1))
 RELEASE_IDS = TensorSpec("release_ids", "INT64", (-1,), optional=True)
+# Each row's sampling, for drafters that propose with a seeded row's noise: temperature 0 for
+# rows that draft greedily (greedy and unseeded requests); the seed's 64 bits as an int64
+# (sampling.seed_tensor); float64 so the warped distribution is the engine's to the last bit.
+ROW_SEED = TensorSpec("row_seed", "INT64", (-1,))
+ROW_TEMPERATURE = TensorSpec("row_temperature", "FP64", (-1,))
+ROW_TOP_K = TensorSpec("row_top_k", "INT64", (-1,))
+ROW_TOP_P = TensorSpec("row_top_p", "FP64", (-1,))
+ROW_SAMPLING = (ROW_SEED, ROW_TEMPERATURE, ROW_TOP_K, ROW_TOP_P)
 
-_DRAFT_IN = (SEQ_IDS, VALID_FROM, NUM_NEW, FEATURES, NEXT_TOKENS, MAX_DRAFT_LEN)
+_DRAFT_IN = (SEQ_IDS, VALID_FROM, NUM_NEW, FEATURES, NEXT_TOKENS, MAX_DRAFT_LEN, *ROW_SAMPLING)
 # eagle_backbone also takes release_ids alone (the engine frees a finished sequence's state), so
 # its draft inputs are optional there and checked by the adapter.
 EAGLE_BACKBONE = ModelSpec("eagle_backbone", tuple(replace(t, optional=True) for t in _DRAFT_IN) + (RELEASE_IDS,),
-                           (DRAFT_TOKENS, DRAFT_HIDDEN, DRAFT_SCALARS, UNKNOWN))
+                           (DRAFT_TOKENS, DRAFT_HIDDEN, DRAFT_SCALARS, DRAFT_LOGPROBS, UNKNOWN))
 CALIBRATION_HEAD = ModelSpec("calibration_head", (DRAFT_HIDDEN, DRAFT_SCALARS), (ACCEPT_PROB,))
 EAGLE_PROPOSAL = ModelSpec("eagle_proposal", _DRAFT_IN, (DRAFT_TOKENS, ACCEPT_PROB, UNKNOWN))
 EAGLE_PROPOSAL_STEPS = (EAGLE_BACKBONE, CALIBRATION_HEAD)
@@ -197,16 +210,21 @@ TREE_SOURCES = TensorSpec("tree_sources", "INT64", (-1, -1))
 
 NGRAM_DRAFTER = ModelSpec("ngram_drafter", (CONTEXT_TOKENS, MAX_DRAFT_LEN), (NGRAM_TOKENS,))
 # Stateless: the last of each row's new feature rows is the target's f_t (features[b, num_new[b]-1]).
-MTP_HEADS = ModelSpec("mtp_heads", (FEATURES, NUM_NEW, MAX_DRAFT_LEN), (HEADS_TOKENS, HEADS_LOGPROBS))
+# valid_from and the rows' sampling (optional: without them every chain is greedy) place a seeded
+# row's heads at their sequence indices, valid_from + num_new + 1 + j, for its noise.
+MTP_HEADS = ModelSpec("mtp_heads", (FEATURES, NUM_NEW, MAX_DRAFT_LEN)
+                      + tuple(replace(t, optional=True) for t in (VALID_FROM, *ROW_SAMPLING)),
+                      (HEADS_TOKENS, HEADS_LOGPROBS))
 # The draft model's KV cache per sequence (keyed by seq_ids), brought up to each row's
 # context_tokens every call, so it needs no re-priming; release_ids alone frees sequences.
-DRAFT_DRAFTER = ModelSpec("draft_drafter", tuple(replace(t, optional=True) for t in (SEQ_IDS, CONTEXT_TOKENS, MAX_DRAFT_LEN))
+DRAFT_DRAFTER = ModelSpec("draft_drafter", tuple(replace(t, optional=True)
+                                                for t in (SEQ_IDS, CONTEXT_TOKENS, MAX_DRAFT_LEN, *ROW_SAMPLING))
                           + (RELEASE_IDS,), (DRAFT_MODEL_TOKENS, DRAFT_MODEL_LOGPROBS))
 TREE_SETTINGS = (TREE_BUDGET, PROPOSER_MASK, ROW_THRESHOLD)
 # The drafters' outputs are optional: when the ensemble fails (a drafter unloaded), the engine
 # calls the drafters that are still loaded one by one and the arbiter with what they returned.
 MTP_ARBITER = ModelSpec("mtp_arbiter", tuple(replace(t, optional=True) for t in
-                                             (DRAFT_TOKENS, DRAFT_SCALARS, ACCEPT_PROB, NGRAM_TOKENS, HEADS_TOKENS,
+                                             (DRAFT_TOKENS, DRAFT_SCALARS, DRAFT_LOGPROBS, ACCEPT_PROB, NGRAM_TOKENS, HEADS_TOKENS,
                                               HEADS_LOGPROBS, DRAFT_MODEL_TOKENS, DRAFT_MODEL_LOGPROBS))
                         + TREE_SETTINGS, (TREE_TOKENS, TREE_PARENTS, TREE_SOURCES))
 MTP_PROPOSAL = ModelSpec("mtp_proposal", _DRAFT_IN + (CONTEXT_TOKENS,) + TREE_SETTINGS,

@@ -72,13 +72,17 @@ def python_model_config(spec: ModelSpec, params: dict[str, object]) -> str:
 
 def ensemble_config(spec: ModelSpec, steps: tuple[ModelSpec, ...]) -> str:
     carried = {t.name for t in spec.inputs} | {t.name for m in steps for t in m.outputs}
+    # A step's outputs that no later step and no ensemble output reads stay unmapped
+    # (eagle_backbone's draft_logprobs in eagle_proposal: only mtp_proposal's arbiter reads them).
+    used = {t.name for t in spec.outputs} | {t.name for m in steps for t in m.inputs}
 
     def step(m: ModelSpec) -> str:
         # Inputs nothing in the ensemble produces (target_verifier's cancel_request_id, sent only
         # by BLS) stay unmapped.
         ins = "".join(f'      input_map {{ key: "{t.name}" value: "{t.name}" }}\n'
                       for t in m.inputs if t.name in carried)
-        outs = "".join(f'      output_map {{ key: "{t.name}" value: "{t.name}" }}\n' for t in m.outputs)
+        outs = "".join(f'      output_map {{ key: "{t.name}" value: "{t.name}" }}\n' for t in m.outputs
+                       if t.name in used)
         return f'    {{\n      model_name: "{m.name}"\n      model_version: -1\n{ins}{outs}    }}'
 
     return (f'name: "{spec.name}"\nplatform: "ensemble"\nmax_batch_size: 0\n'

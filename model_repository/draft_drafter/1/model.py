@@ -20,6 +20,8 @@ from specserve.serving import schema
 
 DRAFT_INPUTS = (schema.SEQ_IDS.name, schema.CONTEXT_TOKENS.name, schema.MAX_DRAFT_LEN.name)
 SPECS = {t.name: t for t in schema.DRAFT_DRAFTER.inputs}
+# Optional: without them every row drafts greedily (row_sampling.decode).
+SAMPLING_INPUTS = tuple(t.name for t in schema.ROW_SAMPLING)
 
 
 def _outputs(tokens, lps):
@@ -49,7 +51,8 @@ class TritonPythonModel:
                     self.service.release(release)
                     responses.append(_outputs(np.zeros((0, 0)), np.zeros((0, 0))))
                     continue
-                responses.append(_outputs(*self.service.chains(*arrays.values())))
+                sampling = (pb.input_array(request, SPECS[n]) for n in SAMPLING_INPUTS)
+                responses.append(_outputs(*self.service.chains(*arrays.values(), *sampling)))
             except Exception as e:  # noqa: BLE001 — answer this request with the error, keep serving
                 responses.append(pb.error_response(f"draft_drafter: {e}"))
         return responses

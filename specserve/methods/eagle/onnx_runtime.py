@@ -6,10 +6,15 @@ only convert tensors); it is plain Python so it is tested without a server.
 
 Per step the engine sends, for each of its rows: the sequence id, the true target features of
 the tokens committed since the last call (`num_new` of them) with the tokens that follow each
-(t_{i+1}), and the most tokens it may draft. The backbone appends those pairs to the sequence's
-cache (its state), then drafts greedily up to `max_draft_len` tokens on a scratch copy, so the
-speculative pairs are never committed. Drafts are argmax choices, so the engine verifies them
-as point masses (lossless for sampled requests too).
+(t_{i+1}), the most tokens it may draft, and the row's sampling. The backbone appends those
+pairs to the sequence's cache (its state), then drafts up to `max_draft_len` tokens on a scratch
+copy, so the speculative pairs are never committed. A row drafts greedily (argmax: the engine
+verifies it as a point mass, lossless for unseeded sampled requests too) unless it is seeded:
+then draft token j is the fused drafter's choice, argmax(log q~ + g(seed, position)) with the
+target's own noise (core/sampling.seeded_tokens), so a drafter close to the target proposes the
+target's token. Worked example: 5 committed tokens t_0..t_4 (valid_from 3, num_new 2: pairs 3
+and 4 arrive) and pending t_5; after ingesting, the sequence holds 5 pairs, and draft token j
+predicts sequence index 6 + j = holds + 1 + j, which is len(token_ids) + j on the engine side.
 
 A sequence the runtime has not seen (new, or the drafter was reloaded) must arrive with its
 whole history (`valid_from == 0`); otherwise it is reported in `unknown`, and the engine
@@ -23,7 +28,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+import torch
 
+from specserve.core.sampling import SamplingParams, seeded_tokens
+from specserve.methods import row_sampling
 from specserve.methods.eagle.drafter import CALIBRATION_POSITIONS
 
 
@@ -36,6 +44,16 @@ class DraftBatch:
     features: np.ndarray       # [B, Tmax, D] float32, row b valid for its first num_new[b]
     next_tokens: np.ndarray    # [B, Tmax] int64
     max_draft_len: np.ndarray  # [B] int64
+    # Each row's sampling (methods/row_sampling.py); absent or temperature 0: the row drafts greedily.
+    row_seed: np.ndarray | None = None         # [B] int64: the seed's bits
+    row_temperature: np.ndarray | None = None  # [B] float64
+    row_top_k: np.ndarray | None = None        # [B] int64
+    row_top_p: np.ndarray | None = None        # [B] float64
+
+    def seeded_params(self) -> list[SamplingParams | None]:
+        """Per row, its sampling when it drafts with its seed's noise, else None (greedy)."""
+        return row_sampling.decode(self.row_seed, self.row_temperature, self.row_top_k, self.row_top_p,
+                                   len(self.seq_ids))
 
 
 @dataclass
@@ -43,6 +61,7 @@ class DraftResult:
     tokens: np.ndarray         # [B, K] int64 (K = max over rows of max_draft_len; -1 = none)
     hidden: np.ndarray         # [B, K, D] float32 draft hidden state per position
     scalars: np.ndarray        # [B, K, 3] float32 (top-1 prob, entropy, position / 8)
+    logprobs: np.ndarray       # [B, K] float32 log q(draft token) (0 padded)
     unknown: np.ndarray        # [B] bool: the runtime lacks this sequence's history; re-prime it
 
 
@@ -112,13 +131,14 @@ class _State:
     valid: int = 0
 
 
-def _softmax_stats(logits: np.ndarray) -> tuple[int, float, float]:
+def _softmax_stats(logits: np.ndarray) -> tuple[np.ndarray, int, float, float]:
+    """logits [V] → (q [V] float64, its top-1 token, q(top-1), entropy)."""
     z = logits.astype(np.float64) - logits.max()
     p = np.exp(z)
     p /= p.sum()
     top = int(p.argmax())
     entropy = float(-(p * np.log(np.maximum(p, 1e-30))).sum())
-    return top, float(p[top]), entropy
+    return p, top, float(p[top]), entropy
 
 
 @dataclass
@@ -149,7 +169,9 @@ class EagleOnnxRuntime:
         out_tokens = np.full((B, K), -1, dtype=np.int64)
         out_hidden = np.zeros((B, K, D), dtype=np.float32)
         out_scalars = np.zeros((B, K, 3), dtype=np.float32)
+        out_logprobs = np.zeros((B, K), dtype=np.float32)
         unknown = np.zeros(B, dtype=bool)
+        seeded = batch.seeded_params()
         for b in range(B):
             sid, start, n = int(batch.seq_ids[b]), int(batch.valid_from[b]), int(batch.num_new[b])
             st = self.states.get(sid)
@@ -164,18 +186,23 @@ class EagleOnnxRuntime:
             st.valid += n
             h, lg = hidden[0, -1], logits[0, -1]
             k_scratch, v_scratch = st.k, st.v
+            params = seeded[b]
             for j in range(int(batch.max_draft_len[b])):
-                tok, top1, ent = _softmax_stats(lg)
+                q, tok, top1, ent = _softmax_stats(lg)
+                if params is not None:   # the coupled choice at sequence index st.valid + 1 + j
+                    tok = seeded_tokens(torch.from_numpy(np.ascontiguousarray(lg[None])), params,
+                                        [st.valid + 1 + j])[0]
                 out_tokens[b, j] = tok
                 out_hidden[b, j] = h
                 out_scalars[b, j] = (top1, ent, j / CALIBRATION_POSITIONS)
+                out_logprobs[b, j] = np.log(max(q[tok], 1e-30))
                 if j + 1 == int(batch.max_draft_len[b]):
                     break
                 hh, ll, k_scratch, v_scratch = self._run(h[None, None].astype(np.float32),
                                                          np.array([[tok]], dtype=np.int64),
                                                          st.valid + j, k_scratch, v_scratch)
                 h, lg = hh[0, -1], ll[0, -1]
-        return DraftResult(out_tokens, out_hidden, out_scalars, unknown)
+        return DraftResult(out_tokens, out_hidden, out_scalars, out_logprobs, unknown)
 
     def release(self, seq_ids) -> None:
         for sid in seq_ids:
@@ -206,9 +233,9 @@ def in_process_call(backbone: EagleOnnxRuntime, calibration: CalibrationOnnxRunt
 
     def call(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         res = backbone.draft(DraftBatch(**inputs))
-        # draft_scalars too, as the mtp_proposal ensemble passes them on: remote mtp's arbiter
-        # reads EAGLE's confidence from them (remote_mtp._eagle_candidate).
+        # draft_scalars and draft_logprobs too, as the mtp_proposal ensemble passes them on:
+        # remote mtp's arbiter reads EAGLE's confidence from them (mtp/remote._eagle_candidate).
         return {"draft_tokens": res.tokens, "accept_prob": calibration.accept_prob(res.hidden, res.scalars),
-                "draft_scalars": res.scalars, "unknown": res.unknown}
+                "draft_scalars": res.scalars, "draft_logprobs": res.logprobs, "unknown": res.unknown}
 
     return call

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from specserve.methods import row_sampling
 from specserve.methods.mtp.arbiter import ArbiterConfig, Candidate, arbitrate
 from specserve.core.proposer import Draft, DraftRequest
 from specserve.methods.mtp.proposer import OPT_BUDGET, OPT_PROPOSERS, SUBPROPOSERS
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("specserve.remote_mtp")
 
 NGRAM = NgramProposer()   # the fused method's n-gram settings, shared
+SAMPLING_KEYS = row_sampling.NAMES
 
 
 def mask_of(names) -> int:
@@ -59,15 +61,19 @@ def ngram_batch(context_tokens: np.ndarray, max_draft_len: np.ndarray) -> np.nda
     return out
 
 
-def _eagle_candidate(tokens: np.ndarray, scalars: np.ndarray | None, accept: np.ndarray | None,
-                     threshold: float) -> Candidate | None:
-    """EAGLE's chain up to its calibration cut (as methods/remote.calibration_cut); confidence = log of the
-    drafter's top-1 probability (draft_scalars[..., 0]), as the fused proposer's Draft.logprobs."""
+def _eagle_candidate(tokens: np.ndarray, logprobs: np.ndarray | None, scalars: np.ndarray | None,
+                     accept: np.ndarray | None, threshold: float) -> Candidate | None:
+    """EAGLE's chain up to its calibration cut (as methods/remote.calibration_cut); confidence =
+    log q(token) (draft_logprobs), as the fused proposer's Draft.logprobs; from a drafter that
+    sends none, the log of its top-1 probability (draft_scalars[..., 0]: the same for greedy rows)."""
     kept = calibration_cut(tokens, accept, threshold if threshold > 0 else None)
     if not kept:
         return None
-    lps = [math.log(max(float(scalars[j, 0]), 1e-30)) if scalars is not None else ArbiterConfig().prior("eagle")
-           for j in range(len(kept))]
+    if logprobs is not None:
+        lps = [float(logprobs[j]) for j in range(len(kept))]
+    else:
+        lps = [math.log(max(float(scalars[j, 0]), 1e-30)) if scalars is not None else ArbiterConfig().prior("eagle")
+               for j in range(len(kept))]
     return Candidate("eagle", tuple(kept), tuple(lps))
 
 
@@ -85,7 +91,8 @@ def arbitrate_batch(inputs: dict[str, np.ndarray | None], config: ArbiterConfig 
     mask and threshold → the merged tree per row, -1 padded (schema.MTP_ARBITER). Candidates are
     listed in SUBPROPOSERS order, as fused mtp lists them (the arbiter's tie-breaks)."""
     budget, mask, threshold = inputs["tree_budget"], inputs["proposer_mask"], inputs["row_threshold"]
-    got = {k: inputs.get(k) for k in ("draft_tokens", "draft_scalars", "accept_prob", "ngram_tokens", "heads_tokens",
+    got = {k: inputs.get(k) for k in ("draft_tokens", "draft_scalars", "draft_logprobs", "accept_prob", "ngram_tokens",
+                                       "heads_tokens",
                                        "heads_logprobs", "draft_model_tokens", "draft_model_logprobs")}
     has = {k: v is not None and v.size > 0 for k, v in got.items()}
     trees = []
@@ -98,7 +105,8 @@ def arbitrate_batch(inputs: dict[str, np.ndarray | None], config: ArbiterConfig 
                                        config.prior("mtp_heads")))
         if "eagle" in wanted and has["draft_tokens"]:
             scalars, accept = got["draft_scalars"], got["accept_prob"]
-            cands.append(_eagle_candidate(got["draft_tokens"][b], scalars[b] if has["draft_scalars"] else None,
+            logprobs = got["draft_logprobs"][b] if has["draft_logprobs"] else None
+            cands.append(_eagle_candidate(got["draft_tokens"][b], logprobs, scalars[b] if has["draft_scalars"] else None,
                                           accept[b] if has["accept_prob"] else None, float(threshold[b])))
         if "draft" in wanted and has["draft_model_tokens"]:
             cands.append(_scored_chain("draft", got["draft_model_tokens"][b],
@@ -120,7 +128,8 @@ def arbitrate_batch(inputs: dict[str, np.ndarray | None], config: ArbiterConfig 
 def heads_call(rt) -> Callable[[dict], dict]:
     """mtp_heads as a function of the ensemble's inputs (rt: remote_mtp_drafters.HeadsOnnxRuntime)."""
     def call(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        tokens, lps = rt.chains(inputs["features"], inputs["num_new"], inputs["max_draft_len"])
+        tokens, lps = rt.chains(inputs["features"], inputs["num_new"], inputs["max_draft_len"],
+                                *(inputs.get(k) for k in ("valid_from", *SAMPLING_KEYS)))
         return {"heads_tokens": tokens, "heads_logprobs": lps}
     return call
 
@@ -128,7 +137,8 @@ def heads_call(rt) -> Callable[[dict], dict]:
 def draft_call(service) -> Callable[[dict], dict]:
     """draft_drafter as a function of the ensemble's inputs (remote_mtp_drafters.DraftModelService)."""
     def call(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        tokens, lps = service.chains(inputs["seq_ids"], inputs["context_tokens"], inputs["max_draft_len"])
+        tokens, lps = service.chains(inputs["seq_ids"], inputs["context_tokens"], inputs["max_draft_len"],
+                                     *(inputs.get(k) for k in SAMPLING_KEYS))
         return {"draft_model_tokens": tokens, "draft_model_logprobs": lps}
     return call
 
@@ -147,9 +157,9 @@ def in_process_call(eagle_call: Callable[[dict], dict] | None, *, heads: Callabl
         unknown = np.zeros(B, dtype=bool)
         if eagle_call is not None:
             e = eagle_call({k: inputs[k] for k in ("seq_ids", "valid_from", "num_new", "features", "next_tokens",
-                                                   "max_draft_len")})
+                                                   "max_draft_len", *SAMPLING_KEYS) if k in inputs})
             drafted.update(draft_tokens=e["draft_tokens"], accept_prob=e.get("accept_prob"),
-                           draft_scalars=e.get("draft_scalars"))
+                           draft_scalars=e.get("draft_scalars"), draft_logprobs=e.get("draft_logprobs"))
             unknown = e["unknown"]
         out = arbitrate_batch({**drafted, **{k: inputs[k] for k in ("tree_budget", "proposer_mask", "row_threshold")}})
         return {**out, "unknown": unknown}

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from specserve.core.proposer import DraftRequest
-from specserve.core.sampling import SamplingParams
+from specserve.core.sampling import SamplingParams, seeded_tokens
+from specserve.methods import row_sampling
 
 MIN_PROB = 1e-30   # as multi_draft.candidates_of
 
@@ -50,9 +51,15 @@ class HeadsOnnxRuntime:
 
         self.session = inference_session(str(onnx_file), device)
 
-    def chains(self, features: np.ndarray, num_new: np.ndarray, max_draft_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def chains(self, features: np.ndarray, num_new: np.ndarray, max_draft_len: np.ndarray,
+               valid_from: np.ndarray | None = None, row_seed=None, row_temperature=None, row_top_k=None,
+               row_top_p=None) -> tuple[np.ndarray, np.ndarray]:
         """features [B, T, D], num_new [B], max_draft_len [B] → tokens [B, K] (-1 padded),
-        logprobs [B, K] (0 padded). A row without a new feature row has no f_t: no chain."""
+        logprobs [B, K] (0 padded). A row without a new feature row has no f_t: no chain.
+        A seeded row (row_sampling.py; valid_from [B] then places it) takes at head j the
+        coupled choice at sequence index len(token_ids) + j = valid_from + num_new + 1 + j, as
+        the fused heads proposer."""
+        seeded = row_sampling.decode(row_seed, row_temperature, row_top_k, row_top_p, len(num_new))
         rows = [b for b in range(len(num_new)) if num_new[b] > 0 and max_draft_len[b] > 0]
         tokens: list[list[int]] = [[] for _ in num_new]
         lps: list[list[float]] = [[] for _ in num_new]
@@ -60,13 +67,22 @@ class HeadsOnnxRuntime:
             f = np.stack([features[b, int(num_new[b]) - 1] for b in rows]).astype(np.float32)   # [n, D]
             logits = self.session.run(["logits"], {"features": f})[0]                             # [n, k, V]
             best = logits.argmax(-1)                                                               # [n, k]
-            # q(top-1) = softmax at the argmax, in float32 as the fused proposer's probs
+            # q(token) = the plain softmax at the drafted token, in float32 as the fused proposer's
+            # probs (at the argmax the numerator is exp(0) = 1)
             shifted = logits - logits.max(-1, keepdims=True)
-            q = 1.0 / np.exp(shifted).sum(-1, dtype=np.float32)                                   # [n, k]
+            total = np.exp(shifted).sum(-1, dtype=np.float32)                                      # [n, k]
             for j, b in enumerate(rows):
                 n = min(int(max_draft_len[b]), logits.shape[1])
-                tokens[b] = best[j, :n].tolist()
-                lps[b] = np.log(np.maximum(q[j, :n], MIN_PROB)).tolist()
+                params = seeded[b]
+                if params is None:
+                    chain = best[j, :n]
+                else:
+                    m = int(valid_from[b] + num_new[b]) + 1
+                    chain = np.array(seeded_tokens(torch.from_numpy(np.ascontiguousarray(logits[j, :n])), params,
+                                                   list(range(m, m + n))))
+                q = np.exp(shifted[j, np.arange(n), chain]) / total[j, :n]
+                tokens[b] = chain.tolist()
+                lps[b] = np.log(np.maximum(q, MIN_PROB)).tolist()
         return _padded(tokens, -1, np.int64), _padded(lps, 0.0, np.float32)
 
 
@@ -112,16 +128,19 @@ class DraftModelService:
             self.evicted += 1
 
     @torch.inference_mode()
-    def chains(self, seq_ids: np.ndarray, context_tokens: np.ndarray, max_draft_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def chains(self, seq_ids: np.ndarray, context_tokens: np.ndarray, max_draft_len: np.ndarray,
+               row_seed=None, row_temperature=None, row_top_k=None, row_top_p=None) -> tuple[np.ndarray, np.ndarray]:
         """seq_ids [B], context_tokens [B, L] (-1 padded; the last token of a row is pending),
-        max_draft_len [B] → tokens [B, K] (-1 padded), logprobs [B, K] (0 padded)."""
+        max_draft_len [B] → tokens [B, K] (-1 padded), logprobs [B, K] (0 padded). Seeded rows
+        (row_sampling.py) draft with their noise, as the fused proposer does for them."""
         ids = [int(s) for s in seq_ids]
         if len(set(ids)) != len(ids):
             raise ValueError("draft_drafter: a sequence id appears twice in one call")
         self._make_room(ids)
-        greedy = SamplingParams()
-        requests = [DraftRequest(s, [int(t) for t in row if t >= 0], int(k), greedy)
-                    for s, row, k in zip(ids, context_tokens, max_draft_len)]
+        seeded = row_sampling.decode(row_seed, row_temperature, row_top_k, row_top_p, len(ids))
+        requests = [DraftRequest(s, [int(t) for t in row if t >= 0], int(k), p or SamplingParams(),
+                                 seed=None if p is None else p.seed)
+                    for s, row, k, p in zip(ids, context_tokens, max_draft_len, seeded)]
         for s in ids:
             self._used[s] = None
             self._used.move_to_end(s)
