@@ -117,9 +117,15 @@ class ServeProcess:
         pytest.fail(f"no {marker!r} in the output of specserve serve:\n" + "".join(self.output[-30:]))
 
     def stop(self, timeout: float = 60) -> int:
-        """SIGTERM (docker stop, Kubernetes): serve drains, stops tritonserver and exits."""
+        """SIGTERM (docker stop, Kubernetes): serve drains, stops tritonserver and exits; the rest
+        of its output is read meanwhile (see tail())."""
         self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
+        rest, _ = self.proc.communicate(timeout=timeout)
+        self.output += rest.splitlines(keepends=True)
+        return self.proc.returncode
+
+    def tail(self, n: int = 40) -> str:
+        return "".join(self.output[-n:])
 
 
 def _lost_a_port(lines: list[str]) -> bool:

@@ -88,7 +88,7 @@ def test_serve_runs_in_the_foreground_and_stops_on_sigterm(ckpt, tmp_path):
         assert f"localhost:{ports.grpc}" in endpoints and f"localhost:{ports.metrics}/metrics" in endpoints
         out = StreamClient(f"localhost:{ports.grpc}").generate("hello 世界", {"max_tokens": 5})
         assert out.num_output_tokens == 5
-        assert served.stop() == 0
+        assert served.stop() == 0, served.tail()
 
 
 @pytest.mark.triton

@@ -249,4 +249,4 @@ def test_serve_with_openai_port(tmp_path):
     with serve_process([sys.executable, "-m", "specserve.cli.main"], "--target", str(ckpt), "--max-num-seqs", "2",
                        "--max-model-len", "256", "--openai-port", "0", "--work-dir", str(tmp_path / "work")) as served:
         assert _chat_once(served.openai_port())
-        assert served.stop() == 0
+        assert served.stop() == 0, served.tail()

@@ -84,4 +84,4 @@ def test_the_wheel_alone_serves(tmp_path):
                        "--max-model-len", "128", "--work-dir", str(outside / "work"), cwd=outside, env=env) as served:
         out = StreamClient(f"localhost:{served.ports.grpc}").generate("hello 世界", {"max_tokens": 5})
         assert out.num_output_tokens == 5
-        assert served.stop() == 0
+        assert served.stop() == 0, served.tail()
