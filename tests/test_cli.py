@@ -77,6 +77,16 @@ def test_work_dir_in_use(ckpt, tmp_path, capsys):
     assert "is in use by another running server" in capsys.readouterr().err
 
 
+def test_an_installation_without_its_adapters_is_an_error_not_a_traceback(ckpt, tmp_path, capsys, monkeypatch):
+    from specserve.triton import render
+
+    monkeypatch.setattr(render, "TEMPLATES", tmp_path / "no_adapters")
+    free = Ports.free()
+    assert _serve("--target", str(ckpt), "--work-dir", str(tmp_path / "work"), "--http-port", str(free.http),
+                  "--grpc-port", str(free.grpc), "--metrics-port", str(free.metrics)) == 2
+    assert "the installed specserve has no model template preprocess/1/model.py" in capsys.readouterr().err
+
+
 @pytest.mark.triton
 def test_serve_runs_in_the_foreground_and_stops_on_sigterm(ckpt, tmp_path):
     from specserve.triton.client import StreamClient
