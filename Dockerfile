@@ -98,7 +98,8 @@ RUN apt-get update \
 COPY docker/requirements-gpu.txt /tmp/requirements-gpu.txt
 RUN python3 -m pip install -r /tmp/requirements-gpu.txt
 COPY . /opt/specserve
-# Editable: the renderer reads the model_repository/ adapters from the source tree.
+# Editable, like a checkout: one copy of the code, the one scripts/ (image_check) runs beside. The
+# package needs no source tree to serve (its Triton adapters are package data; tests/test_wheel.py).
 RUN python3 -m pip install --no-deps -e /opt/specserve \
  && python3 scripts/image_check.py --image gpu \
  && mkdir -p /var/lib/specserve && chown 1000:1000 /var/lib/specserve

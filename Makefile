@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test demo smollm2 serve bench engine-bench eagle-bench dspark-bench dflash-bench mtp-bench gpu-check image-check admin-key clean
+.PHONY: install aiperf test demo smollm2 serve bench engine-bench eagle-bench dspark-bench dflash-bench mtp-bench gpu-check image-check admin-key clean
 
 install: $(STAMP)
 
@@ -23,6 +23,17 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 SMOLLM2 := models/smollm2/target
+
+# AIPerf (tests/test_aiperf.py, benchmarks/aiperf_chat.sh) in its own venv, so its pins cannot
+# disturb ours. Not part of install: ~140 packages, 1.2 GB, which pip downloads every time.
+AIPERF_VENV  := .venv-aiperf
+AIPERF_STAMP := $(AIPERF_VENV)/.installed
+aiperf: $(AIPERF_STAMP)
+
+$(AIPERF_STAMP):
+	test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install -q aiperf==0.13.0
+	touch $(AIPERF_STAMP)
 
 test: install
 	$(PY) -m pytest -q tests

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import make_served_checkpoint
+from conftest import make_served_checkpoint, serve_process
 from specserve.cli.main import main
 from specserve.triton.launch import Ports
 
@@ -79,33 +77,28 @@ def test_work_dir_in_use(ckpt, tmp_path, capsys):
     assert "is in use by another running server" in capsys.readouterr().err
 
 
+def test_an_installation_without_its_adapters_is_an_error_not_a_traceback(ckpt, tmp_path, capsys, monkeypatch):
+    from specserve.triton import render
+
+    monkeypatch.setattr(render, "TEMPLATES", tmp_path / "no_adapters")
+    free = Ports.free()
+    assert _serve("--target", str(ckpt), "--work-dir", str(tmp_path / "work"), "--http-port", str(free.http),
+                  "--grpc-port", str(free.grpc), "--metrics-port", str(free.metrics)) == 2
+    assert "the installed specserve has no model template preprocess/1/model.py" in capsys.readouterr().err
+
+
 @pytest.mark.triton
 def test_serve_runs_in_the_foreground_and_stops_on_sigterm(ckpt, tmp_path):
     from specserve.triton.client import StreamClient
 
-    ports = Ports.free()
-    proc = subprocess.Popen([sys.executable, "-m", "specserve.cli.main", "serve", "--target", str(ckpt),
-                             "--http-port", str(ports.http), "--grpc-port", str(ports.grpc),
-                             "--metrics-port", str(ports.metrics), "--max-num-seqs", "2",
-                             "--work-dir", str(tmp_path / "work")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        lines, deadline = [], time.monotonic() + 120
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("specserve: ready") or time.monotonic() > deadline:
-                break
-        assert lines and lines[-1].startswith("specserve: ready"), "".join(lines[-20:])
-        endpoints = "".join(next(proc.stdout) for _ in range(3))
+    with serve_process([sys.executable, "-m", "specserve.cli.main"], "--target", str(ckpt), "--max-num-seqs", "2",
+                       "--work-dir", str(tmp_path / "work"), ready_timeout=120) as served:
+        ports = served.ports
+        endpoints = served.next_lines(3)
         assert f"localhost:{ports.grpc}" in endpoints and f"localhost:{ports.metrics}/metrics" in endpoints
         out = StreamClient(f"localhost:{ports.grpc}").generate("hello 世界", {"max_tokens": 5})
         assert out.num_output_tokens == 5
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert served.stop() == 0, served.tail()
 
 
 @pytest.mark.triton

@@ -134,7 +134,7 @@ def test_readme_method_table_matches_the_registry():
 def test_code_cites_design_sections_that_exist():
     sections = {line[3:].strip() for line in DESIGN.read_text().splitlines() if line.startswith("## ")}
     stale, unknown = [], []
-    for folder in ("specserve", "tests", "training", "benchmarks", "model_repository", "scripts",
+    for folder in ("specserve", "tests", "training", "benchmarks", "scripts",
                    "clients", "deploy", "docs", "models"):
         for f in (ROOT / folder).rglob("*"):
             if f.suffix not in (".py", ".md", ".sh", ".yaml", ".yml") or f == Path(__file__):

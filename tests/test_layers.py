@@ -4,8 +4,8 @@ module's private names.
 Layers, bottom to top: core < model < methods < serving < triton < (openai) < cli. A module may
 import its own layer and those below it. Every import counts, wherever it is written (top level,
 inside a function, under TYPE_CHECKING): a function-local import is still a dependency, only a
-deferred one. model_repository/*/1/model.py are Triton adapters at the very top: they may import
-any layer, but what they import must exist.
+deferred one. specserve/triton/model_repository/*/1/model.py are Triton adapters (package data,
+never imported) at the very top: they may import any layer, but what they import must exist.
 
 The checker reads source with `ast` (nothing is imported), so it runs in a second and needs no
 Triton, no torch.
@@ -41,8 +41,12 @@ def module_name(path: Path, root: Path = ROOT) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+ADAPTERS = f"{PACKAGE}/triton/model_repository"
+
+
 def package_modules(root: Path = ROOT) -> dict[str, Path]:
-    return {module_name(p, root): p for p in sorted((root / PACKAGE).rglob("*.py"))}
+    return {module_name(p, root): p for p in sorted((root / PACKAGE).rglob("*.py"))
+            if not p.is_relative_to(root / ADAPTERS)}
 
 
 def imports_of(tree: ast.AST, module: str, is_package: bool, known: set[str]) -> tuple[list[Edge], list[str]]:
@@ -220,7 +224,7 @@ def scan(root: Path = ROOT) -> Scan:
         edges += found
         unresolved += [f"{path.relative_to(root)}: {m}" for m in missing]
         private |= private_reaches(tree, module)
-    for path in sorted(root.glob("model_repository/*/1/model.py")):
+    for path in sorted(root.glob(f"{ADAPTERS}/*/1/model.py")):
         # Top of the stack: any layer is fine, but a stale import after a move is not.
         _, missing = imports_of(ast.parse(path.read_text(), str(path)), "model_repository", False, known)
         unresolved += [f"{path.relative_to(root)}: {m}" for m in missing]
@@ -230,6 +234,10 @@ def scan(root: Path = ROOT) -> Scan:
 @pytest.fixture(scope="module")
 def found() -> Scan:
     return scan()
+
+
+def test_the_adapters_are_where_the_checker_looks():
+    assert sorted(ROOT.glob(f"{ADAPTERS}/*/1/model.py")), f"no Triton adapters under {ADAPTERS}"
 
 
 def test_every_package_module_belongs_to_a_layer(found):

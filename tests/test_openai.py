@@ -12,7 +12,7 @@ import urllib.request
 import openai
 import pytest
 
-from conftest import make_served_checkpoint, running_server
+from conftest import make_served_checkpoint, running_server, serve_process
 from streams import scrape_metrics
 from specserve.openai.chat import ChatTemplate
 from specserve.openai.server import make_server
@@ -203,15 +203,15 @@ def test_http_error_body_for_invalid_json(deployment):
     assert e.value.code == 400 and "error" in json.loads(e.value.read())
 
 
-def _port_from(proc, marker: str, timeout: float = 300) -> tuple[int, list[str]]:
-    """The port in the first output line containing `marker` (the command bound port 0)."""
+def _port_from(proc, timeout: float = 300) -> int:
+    """The port in `specserve openai`'s banner (it bound port 0)."""
     import re
 
     lines, deadline = [], time.monotonic() + timeout
     for line in proc.stdout:
         lines.append(line)
-        if marker in line:
-            return int(re.search(r":(\d+)/v1", line).group(1)), lines
+        if "OpenAI API for" in line:
+            return int(re.search(r":(\d+)/v1", line).group(1))
         if time.monotonic() > deadline:
             break
     pytest.fail("".join(lines[-20:]))
@@ -233,7 +233,7 @@ def test_specserve_openai_alone_against_a_running_server(deployment):
                              "--port", "0", "--target", str(ckpt), "--max-model-len", "256"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        port, _ = _port_from(proc, "OpenAI API for")
+        port = _port_from(proc)
         want = direct(deployment, chat.render(MESSAGES), {"max_tokens": 4, "temperature": 0}).text
         assert _chat_once(port) == want
     finally:
@@ -242,26 +242,11 @@ def test_specserve_openai_alone_against_a_running_server(deployment):
 
 
 def test_serve_with_openai_port(tmp_path):
-    import signal
-    import subprocess
     import sys
-
-    from specserve.triton.launch import Ports
 
     ckpt = make_served_checkpoint(tmp_path / "tiny-chat", seed=3)
     (ckpt / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "</s>"}))
-    ports = Ports.free()
-    proc = subprocess.Popen([sys.executable, "-m", "specserve.cli.main", "serve", "--target", str(ckpt),
-                             "--http-port", str(ports.http), "--grpc-port", str(ports.grpc),
-                             "--metrics-port", str(ports.metrics), "--max-num-seqs", "2", "--max-model-len", "256",
-                             "--openai-port", "0", "--work-dir", str(tmp_path / "work")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        port, _ = _port_from(proc, "  OpenAI   http://")
-        assert _chat_once(port)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    with serve_process([sys.executable, "-m", "specserve.cli.main"], "--target", str(ckpt), "--max-num-seqs", "2",
+                       "--max-model-len", "256", "--openai-port", "0", "--work-dir", str(tmp_path / "work")) as served:
+        assert _chat_once(served.openai_port())
+        assert served.stop() == 0, served.tail()

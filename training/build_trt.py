@@ -17,43 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
-
-def missing_requirements() -> str | None:
-    try:
-        import tensorrt  # noqa: F401
-    except ImportError:
-        return "the tensorrt package is not installed (pip install -e '.[gpu]')"
-    import torch
-
-    if not torch.cuda.is_available():
-        return "no CUDA GPU is visible"
-    return None
-
-
-def build(onnx_path: Path, plan_path: Path, shapes: dict[str, tuple[tuple, tuple, tuple]], fp16: bool) -> None:
-    import tensorrt as trt
-
-    logger = trt.Logger(trt.Logger.WARNING)
-    builder = trt.Builder(logger)
-    network = builder.create_network(0)
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):
-        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise RuntimeError(f"TensorRT cannot parse {onnx_path}: {errors}")
-    config = builder.create_builder_config()
-    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, 2 << 30)
-    if fp16:
-        config.set_flag(trt.BuilderFlag.FP16)
-    profile = builder.create_optimization_profile()
-    for i in range(network.num_inputs):
-        name = network.get_input(i).name
-        lo, opt, hi = shapes[name]
-        profile.set_shape(name, lo, opt, hi)
-    config.add_optimization_profile(profile)
-    plan = builder.build_serialized_network(network, config)
-    if plan is None:
-        raise RuntimeError(f"TensorRT failed to build an engine from {onnx_path}")
-    plan_path.write_bytes(bytes(plan))
+# The builder is the package's (an installed specserve builds plans at render time too).
+from specserve.triton.tensorrt_plan import build, missing_requirements
 
 
 def backbone_shapes(D: int, kv_heads: int, head_dim: int, max_batch: int, max_tokens: int):

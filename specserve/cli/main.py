@@ -194,7 +194,8 @@ def _run_server(args: argparse.Namespace, settings: "DeploymentSettings", work: 
         drafter_backends.check_available(settings.drafter_backend, backend_dir)
         repo = render_repository(settings, work / "model_repository")
         drafter_backends.check_repository(repo, backend_dir)
-    except (ServerStartError, drafter_backends.BackendError) as e:
+    except (ServerStartError, drafter_backends.BackendError, FileNotFoundError) as e:
+        # FileNotFoundError: an installation without its Triton adapters (render.copy_adapter).
         raise CliError(str(e)) from None
     if settings.drafter_backend != "python":
         for name, why in drafter_backends.STATEFUL.items():

@@ -4,7 +4,7 @@
                                    pip-installed tritonserver has)
     --drafter-backend onnxruntime  Triton's onnxruntime backend (platform onnxruntime_onnx)
     --drafter-backend tensorrt     Triton's tensorrt backend (platform tensorrt_plan, a plan built
-                                   from the ONNX by training/build_trt.py; GPU machines only)
+                                   from the ONNX by tensorrt_plan.py; GPU machines only)
 
 A native backend runs a model as a pure function of one request's tensors. That fits the
 calibration head (draft features → acceptance probabilities). It does not fit eagle_backbone,
@@ -103,20 +103,16 @@ def export_native_calibration(drafter, path: Path, tol: float = 1e-4) -> None:
 
 
 def build_plan(onnx_path: Path, plan_path: Path, hidden_size: int, max_num_seqs: int, max_draft_len: int) -> None:
-    """A TensorRT plan for the native calibration head, by training/build_trt.py's builder."""
-    import importlib.util
+    """A TensorRT plan for the native calibration head (tensorrt_plan's builder)."""
+    from specserve.triton import tensorrt_plan
 
-    script = Path(__file__).resolve().parents[2] / "training" / "build_trt.py"
-    spec = importlib.util.spec_from_file_location("specserve_build_trt", script)
-    build_trt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build_trt)
-    why = build_trt.missing_requirements()
+    why = tensorrt_plan.missing_requirements()
     if why:
         raise BackendError(f"cannot build a TensorRT plan for calibration_head here: {why}")
     B, K = max_num_seqs, max_draft_len
     shapes = {schema.DRAFT_HIDDEN.name: ((1, 1, hidden_size), (B, K, hidden_size), (B, K, hidden_size)),
               schema.DRAFT_SCALARS.name: ((1, 1, 3), (B, K, 3), (B, K, 3))}
-    build_trt.build(onnx_path, plan_path, shapes, fp16=False)
+    tensorrt_plan.build(onnx_path, plan_path, shapes, fp16=False)
 
 
 # -- what the server has ---------------------------------------------------------------------------

@@ -157,7 +157,7 @@ class Ports:
 
 
 # What tritonserver logs when a port it was given is taken.
-_PORT_TAKEN = ("already in use", "Failed to bind", "failed to start")
+PORT_TAKEN = ("already in use", "Failed to bind", "failed to start")
 PORT_RETRIES = 8
 
 
@@ -265,7 +265,7 @@ class TritonServer:
         if self.log_file is None or not self.log_file.exists():
             return False
         ports = [str(p) for p in (self.ports.http, self.ports.grpc, self.ports.metrics)]
-        return any(any(p in line for p in _PORT_TAKEN) and any(f":{port}" in line for port in ports)
+        return any(any(p in line for p in PORT_TAKEN) and any(f":{port}" in line for port in ports)
                    for line in self.log_file.read_text(errors="replace").splitlines())
 
     def _log_hint(self) -> str:

@@ -1,6 +1,8 @@
 """Render the model repository that Triton serves for one checkpoint.
 
-`model_repository/<model>/1/model.py` are the adapters (checked in); every `config.pbtxt` is
+`specserve/triton/model_repository/<model>/1/model.py` are the adapters (checked in, and package
+data: a wheel carries them, so an installed specserve renders without its source tree); every
+`config.pbtxt` is
 written here from `schema.py`, never by hand. A deployment's settings (serving/settings.py)
 travel as model config parameters, because ensembles cannot carry constants (docs/design.md, 'The shape'):
 target_verifier's are DeploymentSettings.to_params(), which the adapter reads back with from_params().
@@ -35,6 +37,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from importlib.resources import files
 from pathlib import Path
 
 from specserve.serving import schema
@@ -45,7 +48,16 @@ from specserve.serving.settings import DeploymentSettings
 from specserve.serving.tiers import Tier
 from specserve.triton.pbtxt import tensors
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "model_repository"
+# The adapters, located as package data (a Traversable: read, never assumed to be a folder on disk).
+TEMPLATES = files("specserve.triton") / "model_repository"
+
+
+def copy_adapter(spec: ModelSpec, vdir: Path) -> None:
+    """Write the adapter of model `spec` as vdir/model.py."""
+    src = TEMPLATES / spec.name / "1" / "model.py"
+    if not src.is_file():
+        raise FileNotFoundError(f"the installed specserve has no model template {spec.name}/1/model.py")
+    (vdir / "model.py").write_bytes(src.read_bytes())
 
 
 def _quote(value: object) -> str:
@@ -92,9 +104,6 @@ def ensemble_config(spec: ModelSpec, steps: tuple[ModelSpec, ...]) -> str:
 
 def render_repository(settings: DeploymentSettings, out_dir: Path) -> Path:
     """Write the repository under out_dir (replacing an earlier rendering); returns its path."""
-    if not TEMPLATES.is_dir():
-        raise FileNotFoundError(f"model templates not found at {TEMPLATES}; specserve must be installed "
-                                "from its source tree (pip install -e .)")
     repo = Path(out_dir)
     if repo.exists():
         shutil.rmtree(repo)
@@ -110,11 +119,8 @@ def render_repository(settings: DeploymentSettings, out_dir: Path) -> Path:
         schema.POSTPROCESS.name: {"checkpoint": ckpt, "internal_key": settings.internal_key},
     }
     for spec in schema.ENSEMBLE_STEPS:
-        src = TEMPLATES / spec.name / "1" / "model.py"
-        if not src.exists():
-            raise FileNotFoundError(f"missing model template {src}")
         (repo / spec.name / "1").mkdir(parents=True)
-        shutil.copy2(src, repo / spec.name / "1" / "model.py")
+        copy_adapter(spec, repo / spec.name / "1")
         (repo / spec.name / "config.pbtxt").write_text(python_model_config(spec, params[spec.name]))
     (repo / schema.ENSEMBLE.name / "1").mkdir(parents=True)
     (repo / schema.ENSEMBLE.name / "config.pbtxt").write_text(
@@ -160,7 +166,7 @@ def render_text_classifier(folder: Path, repo: Path, *, version: int) -> None:
     spec = schema.TEXT_CLASSIFIER
     vdir = repo / spec.name / str(version)
     vdir.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(TEMPLATES / spec.name / "1" / "model.py", vdir / "model.py")
+    copy_adapter(spec, vdir)
     for name in (MODEL_FILE, CONFIG_FILE):
         shutil.copy2(folder / name, vdir / name)
     (repo / spec.name / "config.pbtxt").write_text(python_model_config(spec, {}))
@@ -176,7 +182,7 @@ def render_mtp_proposal(settings: DeploymentSettings, repo: Path) -> None:
     steps = schema.mtp_proposal_steps(served)
     for spec in (schema.NGRAM_DRAFTER, schema.MTP_ARBITER):
         (repo / spec.name / "1").mkdir(parents=True, exist_ok=True)
-        shutil.copy2(TEMPLATES / spec.name / "1" / "model.py", repo / spec.name / "1" / "model.py")
+        copy_adapter(spec, repo / spec.name / "1")
         (repo / spec.name / "config.pbtxt").write_text(python_model_config(spec, {}))
     if "mtp_heads" in folders:
         render_mtp_heads(Path(settings.checkpoint), folders["mtp_heads"], repo, version=1, device=settings.device)
@@ -189,7 +195,7 @@ def render_mtp_proposal(settings: DeploymentSettings, repo: Path) -> None:
 def _template(spec: ModelSpec, repo: Path, version: int) -> Path:
     vdir = repo / spec.name / str(version)
     vdir.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(TEMPLATES / spec.name / "1" / "model.py", vdir / "model.py")
+    copy_adapter(spec, vdir)
     return vdir
 
 
@@ -233,7 +239,7 @@ def render_tier(tier: Tier, preprocess_params: dict[str, object], repo: Path) ->
     ensemble; for the tier named "default", only preprocess's own config (llm is already there)."""
     pre = schema.tier_preprocess(tier.name)
     (repo / pre.name / "1").mkdir(parents=True, exist_ok=True)
-    shutil.copy2(TEMPLATES / schema.PREPROCESS.name / "1" / "model.py", repo / pre.name / "1" / "model.py")
+    copy_adapter(schema.PREPROCESS, repo / pre.name / "1")
     (repo / pre.name / "config.pbtxt").write_text(python_model_config(pre, tier_parameters(preprocess_params, tier)))
     ens = schema.tier_ensemble(tier.name)
     (repo / ens.name / "1").mkdir(parents=True, exist_ok=True)
@@ -270,7 +276,7 @@ def render_eagle_proposal(checkpoint: Path, drafter_dir: Path, repo: Path, *, ve
         vdir.mkdir(parents=True, exist_ok=True)
         native = db.model_backend(spec.name, backend)
         if native == "python":
-            shutil.copy2(TEMPLATES / spec.name / "1" / "model.py", vdir / "model.py")
+            copy_adapter(spec, vdir)
             shutil.move(str(onnx_file), vdir / onnx_file.name)
             (repo / spec.name / "config.pbtxt").write_text(python_model_config(spec, params))
             continue
