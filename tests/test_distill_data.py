@@ -15,7 +15,7 @@ from conftest import make_served_checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 import distill_data  # noqa: E402
 import heldout  # noqa: E402
-from distill_prompts import Sources, troff_to_text  # noqa: E402
+from distill_prompts import Sources, code_snippet_of, troff_to_text  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
             "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
@@ -197,3 +197,18 @@ def test_troff_markup_is_stripped():
     text = troff_to_text(MAN_PAGE)
     assert "frob - frobnicate files" in text and "-n, --dry-run" in text
     assert ".TH" not in text and "\\f" not in text
+
+
+def test_code_snippets_are_whole_dedented_definitions():
+    """A method quoted alone reads as written: its first line is dedented with its body."""
+    import ast
+    import random
+
+    method = "    def m{i}(self, x):\n        \"\"\"{doc}\"\"\"\n        y = x + {i}\n        z = y * 2\n        return z\n\n"
+    module = "class Box:\n" + "".join(method.format(i=i, doc=FILLER) for i in range(3))
+    for seed in range(5):
+        snippet = code_snippet_of(module, random.Random(seed))
+        assert snippet and snippet.startswith(("def m", "class Box")), snippet[:40]
+        ast.parse(snippet)
+        if snippet.startswith("def m"):
+            assert "\n    y = x + " in snippet and "\n        y" not in snippet

@@ -25,6 +25,7 @@ import hashlib
 import os
 import random
 import re
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -133,7 +134,9 @@ def code_snippet_of(text: str, rng: random.Random) -> str | None:
     nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
     rng.shuffle(nodes)
     for node in nodes:
-        seg = ast.get_source_segment(text, node)
+        # padded: a method's first line keeps its indentation, so dedent sees the whole block.
+        seg = ast.get_source_segment(text, node, padded=True)
+        seg = textwrap.dedent(seg) if seg else seg
         if seg and MIN_CHARS <= len(seg) <= MAX_CHARS + 300 and seg.count("\n") >= 4:
             return seg
     return None
