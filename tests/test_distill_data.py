@@ -212,3 +212,16 @@ def test_code_snippets_are_whole_dedented_definitions():
         ast.parse(snippet)
         if snippet.startswith("def m"):
             assert "\n    y = x + " in snippet and "\n        y" not in snippet
+
+
+def test_self_instruct_keeps_questions_and_drops_replies():
+    import random
+
+    from distill_prompts import self_instruct_prompt
+
+    asked = "Here is a text:\n\nfrob reads files.\n\nWrite one question or instruction that ..."
+    for reply in ("I'm ready to help. What's your next question?", "Sure! Here is a question:", "ok"):
+        assert self_instruct_prompt(reply, asked, random.Random(0)) is None, reply
+    for seed in range(4):
+        turn = self_instruct_prompt("Question: How do I frob only some files?\nmore", asked, random.Random(seed))
+        assert turn[0]["content"] in ("How do I frob only some files?", "frob reads files.\n\nHow do I frob only some files?")

@@ -332,6 +332,12 @@ def plan_prompts(sources: Sources, total: int, seed: int, accept: Callable[[list
     return prompts, report
 
 
+# Replies that answer the request instead of writing a question (SmolLM2's greedy reply to the
+# question request is often "I'm ready to help. What's your question?").
+NOT_A_QUESTION = re.compile(r"^(i'm|i am|i'd|i would|sure|of course|certainly|great|okay|ok|here)\b"
+                            r"|your (next )?question|ready to (help|assist)", re.I)
+
+
 def self_instruct_prompt(question_text: str, snippet_message: str, rng: random.Random) -> list[dict] | None:
     """The target's own question (phase "question" output) as a user turn: alone, or after the
     snippet it was asked about. None when the answer is not a usable question."""
@@ -339,7 +345,7 @@ def self_instruct_prompt(question_text: str, snippet_message: str, rng: random.R
     if not lines:
         return None
     q = re.sub(r"^(question|instruction|q)\s*[:.]\s*", "", lines[0], flags=re.I).strip().strip('"').strip()
-    if not 12 <= len(q) <= 300:
+    if not 12 <= len(q) <= 300 or NOT_A_QUESTION.search(q):
         return None
     if rng.random() < 0.5:
         return [{"role": "user", "content": q}]
