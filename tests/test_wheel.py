@@ -3,10 +3,11 @@ tree, install it and its dependencies (nothing else: no source tree, no site pac
 into a fresh venv, run that venv's `specserve serve` on a tiny checkpoint from a folder outside
 the repository, get one completion over gRPC, and stop it with SIGTERM.
 
-Installing is the slow part, so pip works offline from a wheelhouse (work_dirs/wheelhouse,
-git-ignored) that the first run fills with `pip download` from the indexes pip is configured with
-(and fills again when a dependency changes); it installs without compiling bytecode, which the
-server does not need to start.
+Installing is the slow part, so pip works offline from a wheelhouse in the user's cache
+(~/.cache/specserve/wheelhouse, or under $XDG_CACHE_HOME: outside the clone, so that a fresh clone
+reuses it the way pip reuses its own cache) that the first run fills with `pip download` from the
+indexes pip is configured with (and fills again when a dependency changes); it installs without
+compiling bytecode, which the server does not need to start.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ pytestmark = [pytest.mark.triton, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
 # What the wheel is built from (pyproject.toml names the README as the long description).
 SOURCES = ("pyproject.toml", "README.md", "specserve")
-WHEELHOUSE = ROOT / "work_dirs" / "wheelhouse"
+WHEELHOUSE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specserve" / "wheelhouse"
 BUILD_REQUIRES = ("setuptools>=68", "wheel")    # pyproject.toml's [build-system]
 
 
