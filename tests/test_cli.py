@@ -109,3 +109,33 @@ def test_demo_streams_both_methods_and_stops(ckpt):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "--- none:" in done.stdout and "--- ngram:" in done.stdout
     assert "summary" in done.stdout and "tritonserver stopped." in done.stdout
+
+
+def test_drain_tries_a_timed_out_control_call_again_until_its_deadline(monkeypatch):
+    """A control call that times out (a loaded machine) is sent again; past the drain's deadline
+    the error reaches serve, which stops tritonserver all the same and exits 1."""
+    import types
+
+    from specserve.cli import main as cli
+    from specserve.triton import control
+
+    calls = []
+
+    def answer_second_time(url, key, command, timeout=10.0):
+        calls.append(command)
+        if len(calls) == 1:
+            raise control.ControlError("no answer to 'drain' within 10 s")
+        return {"live": 0}
+
+    monkeypatch.setattr(control, "send_control", answer_second_time)
+    monkeypatch.setattr(cli, "_unload_quietly", lambda server, name: None)
+    server = types.SimpleNamespace(grpc_url="localhost:1")
+    assert cli.drain(server, "k", timeout=60) == 0
+    assert calls == ["drain", "drain", "status"]
+
+    def never(url, key, command, timeout=10.0):
+        raise control.ControlError(f"no answer to {command!r} within 10 s")
+
+    monkeypatch.setattr(control, "send_control", never)
+    with pytest.raises(control.ControlError, match="no answer to 'drain'"):
+        cli.drain(server, "k", timeout=0)

@@ -239,13 +239,21 @@ def _run_server(args: argparse.Namespace, settings: "DeploymentSettings", work: 
         server.stop()
         raise CliError(f"tritonserver did not start: {e}") from None
     except KeyboardInterrupt:
-        if server.process is not None and server.process.poll() is None and server.is_ready():
-            try:
+        from specserve.triton.control import ControlError
+
+        drained = True
+        try:
+            if server.process is not None and server.process.poll() is None and server.is_ready():
                 drain(server, settings.internal_key, args.drain_timeout)
-            except KeyboardInterrupt:
-                print("specserve: second signal; stopping now", flush=True)
-        code = server.stop()
-        return 0 if code in (0, None) else code
+        except KeyboardInterrupt:
+            print("specserve: second signal; stopping now", flush=True)
+        except ControlError as e:
+            # Not drained: in-flight requests may be cut. tritonserver is stopped all the same.
+            print(f"specserve: drain failed ({e}); stopping tritonserver", file=sys.stderr, flush=True)
+            drained = False
+        finally:
+            code = server.stop()
+        return (0 if drained else 1) if code in (0, None) else code
     except BaseException:
         server.stop()
         raise
@@ -331,13 +339,24 @@ def drain(server, internal_key: str, timeout: float, poll_s: float = 0.25) -> in
     from specserve.triton.control import ControlError, send_control
 
     print(f"specserve: draining (up to {timeout:g} s for in-flight requests)", flush=True)
-    send_control(server.grpc_url, internal_key, "drain")
-    threading.Thread(target=_unload_quietly, args=(server, "llm"), daemon=True).start()
     deadline = time.monotonic() + timeout
-    live = send_control(server.grpc_url, internal_key, "status")["live"]
+
+    def control(command: str) -> dict:
+        # A control call that times out on a loaded machine is tried again until the drain's own
+        # deadline: the caller stops tritonserver whatever happens here.
+        while True:
+            try:
+                return send_control(server.grpc_url, internal_key, command)
+            except ControlError:
+                if time.monotonic() >= deadline:
+                    raise
+
+    control("drain")
+    threading.Thread(target=_unload_quietly, args=(server, "llm"), daemon=True).start()
+    live = control("status")["live"]
     while live and time.monotonic() < deadline:
         time.sleep(poll_s)
-        live = send_control(server.grpc_url, internal_key, "status")["live"]
+        live = control("status")["live"]
     if live:
         print(f"specserve: drain time over; ending {live} request(s) with an error", flush=True)
         send_control(server.grpc_url, internal_key, "abort")
