@@ -149,12 +149,12 @@ def test_an_mtp_member_alone_calls_its_models_in_the_registrys_order(monkeypatch
         assert got and set(got) <= arbiter_reads, member.name
     calls.clear()
     eagle = bls._drafter_alone("eagle", inputs)
-    assert set(eagle) == {schema.DRAFT_TOKENS.name, schema.DRAFT_SCALARS.name, schema.UNKNOWN.name,
-                          schema.ACCEPT_PROB.name}
+    assert set(eagle) == {schema.DRAFT_TOKENS.name, schema.DRAFT_SCALARS.name, schema.DRAFT_LOGPROBS.name,
+                          schema.UNKNOWN.name, schema.ACCEPT_PROB.name}
     assert calls[1] == ("calibration_head", sorted([schema.DRAFT_HIDDEN.name, schema.DRAFT_SCALARS.name]))
     down.add("calibration_head")   # EAGLE's chain is then not cut: accept_prob left out
     assert set(bls._drafter_alone("eagle", inputs)) == {schema.DRAFT_TOKENS.name, schema.DRAFT_SCALARS.name,
-                                                         schema.UNKNOWN.name}
+                                                         schema.DRAFT_LOGPROBS.name, schema.UNKNOWN.name}
     down.add("eagle_backbone")
     assert bls._drafter_alone("eagle", inputs) is None
     assert set(bls._drafter_alone("ngram", inputs)) == {schema.NGRAM_TOKENS.name}
