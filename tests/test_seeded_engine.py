@@ -49,7 +49,7 @@ def plain(built):
     """none's seeded outputs: (prompt index, sampling, seed) → tokens."""
     engine, tok = built
     reqs = {(i, s, seed): request(tok, f"none-{i}-{s}-{seed}", p, "none", seed, s)
-            for i, p in enumerate(PROMPTS) for s in SAMPLING for seed in (1, 2)}
+            for i, p in enumerate(PROMPTS) for s in SAMPLING for seed in (1,)}
     out = engine.generate(list(reqs.values()))
     return {k: out[r.request_id].new_token_ids for k, r in reqs.items()}
 
