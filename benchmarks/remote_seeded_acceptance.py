@@ -15,8 +15,6 @@ Acceptance length = (accepted + steps) / steps over all requests.
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
 import sys
 import tempfile
@@ -100,17 +98,9 @@ def run(args, log=print) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=3, help="held-out prompts of each kind (code, prose)")
-    ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--seeds", type=int, default=2, help="requests (seeds) per prompt")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "sampling" / "remote_eagle.json")
-    args = ap.parse_args()
-    report = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    from seeded_acceptance import main as acceptance_main   # the same command line and report file
+
+    acceptance_main(__doc__, run, ROOT / "docs" / "sampling" / "remote_eagle.json")
 
 
 if __name__ == "__main__":

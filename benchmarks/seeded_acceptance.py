@@ -90,15 +90,16 @@ def run(args, log=print) -> dict:
             "command": " ".join(["python", "benchmarks/seeded_acceptance.py", *sys.argv[1:]])}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(doc: str = __doc__, measure=None, default_out: Path = ROOT / "docs" / "sampling" / "seeded.json") -> None:
+    """The command line of this benchmark, and of remote_seeded_acceptance (its `measure`)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=3, help="held-out prompts of each kind (code, prose)")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--seeds", type=int, default=2, help="requests (seeds) per prompt")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "sampling" / "seeded.json")
+    ap.add_argument("--out", type=Path, default=default_out)
     args = ap.parse_args()
-    report = run(args)
+    report = (measure or run)(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
