@@ -2,7 +2,8 @@
 policy: speculation comes back at concurrency 1 after a contended phase (the drafter slowed by
 the fault-injection hook, specserve/serving/fault_injection.py: no wall-clock luck), after the
 fused drafter raised for a while, and after eagle_proposal was unloaded and loaded again (remote
-placement). Every output equals plain decoding; spec_stats and the metrics say what the policy did."""
+placement, with the engine held inside a drafter call meanwhile, so the streams cannot outrun
+it). Every output equals plain decoding; spec_stats and the metrics say what the policy did."""
 
 from __future__ import annotations
 
@@ -14,14 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from specserve.core.draft_policy import HYSTERESIS
 from specserve.serving.fault_injection import FAULT_FILE_ENV
 from specserve.triton import drafters
 from specserve.triton.client import StreamClient
 from specserve.triton.launch import TritonServer
 from specserve.serving.settings import DeploymentSettings
 from specserve.triton.render import render_repository
-from streams import during_streams, scrape_metrics
+from streams import scrape_metrics
 
 pytestmark = pytest.mark.triton
 
@@ -35,7 +35,10 @@ def demo_server(root: Path, placement: str):
     repo = render_repository(DeploymentSettings(DEMO / "target", max_num_seqs=8, max_model_len=512, max_draft_len=8,
                                                 default_method="eagle", drafters=(("eagle", str(DEMO / "eagle")),),
                                                 placement=placement, mtp_placement=placement,
-                                                draft_policy="adaptive"),
+                                                draft_policy="adaptive",
+                                                # a loaded machine must not time remote calls out:
+                                                # every proposer error here is one the test made
+                                                remote_timeout_s=30),
                              root / "model_repository")
     fault = root / "fault"
     fault.write_text("")
@@ -70,18 +73,17 @@ def gen(srv, prompt, method="eagle", max_tokens=96):
     return StreamClient(srv.grpc_url).generate(prompt, {"max_tokens": max_tokens, "spec_method": method})
 
 
-def drafts_again(srv, prompt, want: str, warm: dict) -> None:
-    """A c = 1 request after the fault drafts again: probes at least, and back on (steps drafted
-    that were not probes) where the warm request's estimates showed a gain above the hysteresis
-    band — whether drafting pays on this machine now depends on its load, which a test must not
-    assume. The bound in steps is pinned in process (tests/test_draft_policy.py): here, on a busy
-    machine, the gain after the fault may sit in the band for a while."""
+def drafts_again(srv, prompt, want: str) -> None:
+    """A c = 1 request after the fault drafts again (its probes at least) and its text is exact.
+    Whether it is back ON — drafting on steps that are not probes — depends on what drafting
+    gains on this machine now, i.e. on its load, which a test must not assume; that it comes back
+    within RECOVERY_STEPS once the drafter's calls cost what they did is pinned in process on an
+    injected clock (tests/test_draft_policy.py)."""
     after = gen(srv, prompt)
     assert after.text == want
     st = after.spec_stats
-    assert st["draft_tokens"] > 0 and st["policy"]["probe_steps"] + st["steps"] - st["policy"]["off_steps"] > 0, st
-    if warm["policy"]["off_steps"] == 0 and warm["policy"]["last"]["estimated_gain"] > 1 + HYSTERESIS:
-        assert st["drafts"] > st["policy"]["probe_steps"], (warm, st)
+    assert st["proposer_errors"] == 0 and st["draft_tokens"] > 0 and st["drafts"] > 0, st
+    assert st["policy"]["probe_steps"] <= st["drafts"], st
 
 
 def test_fused_drafts_again_after_a_contended_phase_and_after_it_raised(fused):
@@ -95,12 +97,12 @@ def test_fused_drafts_again_after_a_contended_phase_and_after_it_raised(fused):
     assert slow.text == want[CODE[1]][:len(slow.text)] and slow.spec_stats["policy"]["off_steps"] > 0
     assert slow.spec_stats["policy"]["last"]["draft_cost_vs_start"] > 3, slow.spec_stats
     name = 'specserve_spec_decode_policy_draft_cost_vs_start{proposer="eagle"}'
-    deadline = time.monotonic() + 10   # metrics are sent from a worker thread
+    deadline = time.monotonic() + 120   # metrics are sent from a worker thread (a bound, not a bet)
     while scrape_metrics(fused.metrics_url).get(name, 0) <= 3:
         assert time.monotonic() < deadline, scrape_metrics(fused.metrics_url)
         time.sleep(0.2)
     fused.fault.write_text("")
-    drafts_again(fused, CODE[2], want[CODE[2]], warm.spec_stats)
+    drafts_again(fused, CODE[2], want[CODE[2]])
     got = scrape_metrics(fused.metrics_url)
     assert 'specserve_spec_decode_policy_estimated_gain{proposer="eagle"}' in got
     assert 'specserve_spec_decode_policy_expected_acceptance_length{proposer="eagle"}' in got
@@ -111,29 +113,38 @@ def test_fused_drafts_again_after_a_contended_phase_and_after_it_raised(fused):
     for i, r in enumerate(results):
         assert r.text == want[CODE[i % 4]] and r.spec_stats["proposer_errors"] > 0
     fused.fault.write_text("")
-    drafts_again(fused, CODE[3], want[CODE[3]], warm.spec_stats)
+    drafts_again(fused, CODE[3], want[CODE[3]])
 
 
 def test_remote_drafts_again_after_eagle_proposal_is_unloaded_and_loaded(remote):
-    want = {p: gen(remote, p, "none", 200).text for p in CODE}
+    want = {p: gen(remote, p, "none").text for p in CODE}
     warm = gen(remote, CODE[0])
-    assert warm.text == want[CODE[0]][:len(warm.text)] and warm.spec_stats["policy"]["last"], warm.spec_stats
-
-    def unload_and_reload():
-        drafters.unload(remote.grpc_url, "eagle_proposal", remote.admin_key)
-        drafters.load(remote.grpc_url, "eagle_proposal", remote.admin_key)
-
+    assert warm.text == want[CODE[0]] and warm.spec_stats["policy"]["last"], warm.spec_stats
+    # The engine is held inside a drafter call while streams are in flight; eagle_proposal is
+    # unloaded then, so the held call (and those after it) fail however fast the streams would
+    # have finished; it is loaded again while they run on.
+    held = remote.fault.with_name(remote.fault.name + ".held")
+    remote.fault.write_text("hold")
     jobs = [CODE[i % 4] for i in range(8)]
-    results, _ = during_streams(lambda p, on_chunk: StreamClient(remote.grpc_url).generate(
-        p, {"max_tokens": 200, "spec_method": "eagle"}, on_chunk=on_chunk, timeout=300), jobs, unload_and_reload)
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(lambda p: StreamClient(remote.grpc_url).generate(
+            p, {"max_tokens": 96, "spec_method": "eagle"}, timeout=600), p) for p in jobs]
+        deadline = time.monotonic() + 600
+        while not held.exists():
+            assert time.monotonic() < deadline and not any(f.done() for f in futures)
+            time.sleep(0.1)
+        drafters.unload(remote.grpc_url, "eagle_proposal", remote.admin_key)
+        remote.fault.write_text("")
+        drafters.load(remote.grpc_url, "eagle_proposal", remote.admin_key)
+        results = [f.result() for f in futures]
     for p, r in zip(jobs, results):
         assert r.text == want[p]
     assert sum(r.spec_stats["proposer_errors"] for r in results) > 0
     states = {m.name: m.state for m in drafters.list_models(remote.grpc_url, remote.admin_key)}
     assert states["eagle_proposal"] == "READY"
     # The engine's back-off from the failed calls runs out first (up to 8 s).
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while gen(remote, CODE[1], max_tokens=8).spec_stats["proposer_errors"]:
         assert time.monotonic() < deadline
         time.sleep(0.5)
-    drafts_again(remote, CODE[1], gen(remote, CODE[1], "none").text, warm.spec_stats)
+    drafts_again(remote, CODE[1], want[CODE[1]])

@@ -2,8 +2,11 @@
 
 With SPECSERVE_DRAFT_FAULT_FILE set in the server's environment, every drafter call first reads
 that file: a number → sleep that many seconds (a drafter slowed by a busy machine); `raise` →
-raise RuntimeError (a fused drafter's bug); empty or missing → nothing. A test rewrites the file
-to script its phases (tests/test_policy_recovery_triton.py). Unset, nothing is wrapped.
+raise RuntimeError (a fused drafter's bug); `hold` → block until the file says something else,
+having created `<file>.held` (so a test knows the engine is inside a drafter call with its
+requests in flight, and acts on the server then: no race with how fast the requests finish);
+empty or missing → nothing. A test rewrites the file to script its phases
+(tests/test_policy_recovery_triton.py). Unset, nothing is wrapped.
 """
 
 from __future__ import annotations
@@ -27,13 +30,24 @@ def inject(proposers: Mapping[str, object]) -> None:
             proposer.propose = _faulty(proposer.propose, Path(path))
 
 
+HOLD_POLL_S = 0.05     # how often a held call re-reads the file (a condition wait, not a timing bet)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
 def _faulty(propose, path: Path):
     @functools.wraps(propose)
     def call(requests):
-        try:
-            fault = path.read_text().strip()
-        except OSError:
-            fault = ""
+        fault = _read(path)
+        if fault == "hold":
+            path.with_name(path.name + ".held").touch()
+            while (fault := _read(path)) == "hold":
+                time.sleep(HOLD_POLL_S)
         if fault == "raise":
             raise RuntimeError(f"injected drafter fault ({FAULT_FILE_ENV})")
         if fault:
