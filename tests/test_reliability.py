@@ -36,6 +36,7 @@ from streams import during_streams, scrape_metrics
 pytestmark = pytest.mark.triton
 
 LONG = 1200  # tokens: far longer than anything the test does while such a request runs
+DRAINED = 128  # tokens of the streams a drain waits for: the hold file, not their length, keeps them in flight
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +188,7 @@ def test_overload_is_refused_at_once_and_sigterm_drains_streams_to_their_end(ckp
                     "--drain-timeout", "600", hold=hold)
     try:
         prompts = [f"drain {i}" for i in range(4)]
-        want = {p: gen(served.grpc_url, p, {"max_tokens": LONG}, timeout=300) for p in prompts}
+        want = {p: gen(served.grpc_url, p, {"max_tokens": DRAINED}, timeout=300) for p in prompts}
         metrics_url = f"http://localhost:{served.ports.metrics}/metrics"
         hold.touch()   # the streams below stay in flight, a few tokens long, until it is removed
 
@@ -211,9 +212,9 @@ def test_overload_is_refused_at_once_and_sigterm_drains_streams_to_their_end(ckp
             hold.unlink()
 
         got, _ = during_streams(lambda p, on_chunk: StreamClient(served.grpc_url).generate(
-            p, {"max_tokens": LONG}, timeout=300, on_chunk=on_chunk), prompts, overload_then_sigterm, started=2)
+            p, {"max_tokens": DRAINED}, timeout=300, on_chunk=on_chunk), prompts, overload_then_sigterm, started=2)
         for p, g in zip(prompts, got):   # every in-flight stream ran to its end, unchanged
-            assert (g.text, g.num_output_tokens, g.finish_reason) == (want[p].text, LONG, "length")
+            assert (g.text, g.num_output_tokens, g.finish_reason) == (want[p].text, DRAINED, "length")
         assert served.proc.wait(90) == 0, "".join(served.lines[-40:])
         out = "".join(served.lines)
         assert "specserve: draining (up to 600 s for in-flight requests)" in out and "drained" in out
