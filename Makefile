@@ -39,8 +39,13 @@ $(AIPERF_STAMP):
 	$(AIPERF_VENV)/bin/python -m pip install -q aiperf==0.13.0
 	touch $(AIPERF_STAMP)
 
+# Two pytest workers, each whole test file on one of them (its module-scoped servers and its
+# test order stay together): the tests run torch on one thread each, so one worker leaves a
+# core of this 2-core CI machine idle. More workers only add servers competing for the cores.
+TEST_WORKERS ?= 2
+
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
 # The reference real model: check the GGUF's sha256, import it (fp32) into $(SMOLLM2), and check
 # that our engine's greedy output equals transformers' generate on a few chat prompts.
