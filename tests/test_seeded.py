@@ -91,6 +91,8 @@ def reused_noise_sampler(logits, draft, params, position):
     return verify_greedy(F.one_hot(torch.tensor(best), logits.shape[-1]).float(), draft)
 
 
+INVARIANCE_SEEDS = 1500   # seeds on which every draft shape must give exactly the undrafted output
+
 DRAFTS = {
     "none": lambda d1, d2: (lambda ctx, p, s: Draft.empty()),
     "chain": lambda d1, d2: (lambda ctx, p, s: coupled_chain(d1, ctx, 3, p, s)),
@@ -98,13 +100,15 @@ DRAFTS = {
 }
 
 
-@pytest.mark.parametrize("shape", list(DRAFTS))
 @pytest.mark.parametrize("pname", list(PARAMS))
-def test_seeded_sampler_matches_target_distribution_over_seeds(shape, pname):
+def test_seeded_sampler_matches_target_distribution_over_seeds(pname):
+    """Over seeds, seeded output follows the target's distribution. Measured without a draft:
+    with one (chain, tree, anything) the output is the same seed by seed, which the next test
+    pins on INVARIANCE_SEEDS seeds (equal per seed is stronger than equal in distribution)."""
     params = PARAMS[pname]
-    target, d1, d2 = ToyLM(1), ToyLM(2), ToyLM(3)
+    target = ToyLM(1)
     want = exact_first_two(target, params)
-    got, _ = seeded_first_two(verify_seeded, target, params, DRAFTS[shape](d1, d2), range(N_DRAWS))
+    got, _ = seeded_first_two(verify_seeded, target, params, DRAFTS["none"](None, None), range(N_DRAWS))
     tv = 0.5 * (got - want).abs().sum().item()
     assert tv < TV_BOUND, f"total variation {tv:.4f}"
 
@@ -123,7 +127,7 @@ def test_the_draft_never_changes_the_seeded_output(pname):
     """Same seed → the same tokens, with no draft, a coupled chain, a tree, or a draft of
     arbitrary tokens: only acceptance differs."""
     params, target, d1, d2 = PARAMS[pname], ToyLM(1), ToyLM(2), ToyLM(3)
-    seeds = range(300)
+    seeds = range(INVARIANCE_SEEDS)
     _, plain = seeded_first_two(verify_seeded, target, params, DRAFTS["none"](d1, d2), seeds)
     for make in (DRAFTS["chain"](d1, d2), DRAFTS["tree"](d1, d2), lambda ctx, p, s: Draft.chain([s % V, 1, 2])):
         _, got = seeded_first_two(verify_seeded, target, params, make, seeds)
