@@ -336,10 +336,13 @@ def compare(report: dict, records: dict[str, list[RequestRecord]], prompts: list
     for name, recs in records.items():
         same = sum(a.text == b.text for a, b in zip(recs, ref)) / len(ref)
         report["systems"][name]["identical_text_to_reference"] = same
-    hf = records.get("hf_generate_float32")
-    if hf is not None:
-        same = sum(a.text == b.text for a, b in zip(hf, ref))
-        checks.append(f"transformers fp32 greedy text == specserve fp32 `none`: {same}/{len(ref)} prompts")
+    for dtype in args.dtypes:
+        ours = records[f"specserve_grpc_none_{dtype}"]
+        for name in [f"hf_generate_{dtype}", *(f"specserve_grpc_{m}_{dtype}" for m in args.methods[1:])]:
+            if name in records:
+                same = sum(a.text == b.text for a, b in zip(records[name], ours))
+                checks.append(f"{name} text == specserve {dtype} `none`: {same}/{len(ours)} prompts"
+                              + ("" if dtype == "float32" else " (bf16: informative)"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,8 +359,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="writes OUT.json and OUT.md (default: beside docs/smollm2/peers.md)")
     args = p.parse_args(argv)
     args.dtypes = args.dtypes.split(",")
-    args.methods = args.methods.split(",")
+    # Every ratio is to `none` measured in the same run.
+    args.methods = ["none", *(m for m in args.methods.split(",") if m != "none")]
     peers = args.peers.split(",") if args.peers else []
+    unknown = set(peers) - {"hf", "llama"}
+    if unknown:
+        p.error(f"--peers: unknown {', '.join(sorted(unknown))} (hf, llama)")
 
     # The same cores for everything: the servers (children) inherit this affinity.
     cores = sorted(os.sched_getaffinity(0))[:args.cores]
@@ -372,13 +379,16 @@ def main(argv: list[str] | None = None) -> int:
           f"cores {cores}", flush=True)
     systems: dict[str, Runner] = {}
     skipped: dict[str, str] = {}
+    # The peers first: a peer that cannot load fails the run before the (slow) server starts.
+    peer_systems: dict[str, Runner] = {}
+    add_peers(peer_systems, skipped, peers, args.dtypes, threads)
     with ExitStack() as stack:
         for dtype in args.dtypes:
             url, port = start_server(stack, dtype, env)
             for method in args.methods:
                 systems[f"specserve_openai_{method}_{dtype}"] = openai_runner(port, method)
                 systems[f"specserve_grpc_{method}_{dtype}"] = grpc_runner(url, method)
-        add_peers(systems, skipped, peers, args.dtypes, threads)
+        systems.update(peer_systems)
         records = measure(systems, prompts, args.new_tokens)
 
     reference = f"specserve_grpc_none_{args.dtypes[0]}"
@@ -431,7 +441,8 @@ def add_peers(systems: dict[str, Runner], skipped: dict[str, str], peers: list[s
                 skipped[name] = reason
             print(f"chat_peers: skipping llama.cpp: {reason}", flush=True)
         else:
-            from llama_cpp import Llama, LlamaPromptLookupDecoding
+            from llama_cpp import Llama
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
             from specserve.model.smollm2 import verified_gguf
 
@@ -441,8 +452,6 @@ def add_peers(systems: dict[str, Runner], skipped: dict[str, str], peers: list[s
             systems["llama_cpp"] = llama_runner(Llama(**common), tokenizer, eos, "none")
             systems["llama_cpp_lookup"] = llama_runner(
                 Llama(**common, draft_model=LlamaPromptLookupDecoding(**LOOKUP)), tokenizer, eos, "lookup")
-    for peer in set(peers) - {"hf", "llama"}:
-        raise SystemExit(f"chat_peers: unknown peer {peer!r} (hf, llama)")
 
 
 def measure(systems: dict[str, Runner], prompts: list[Prompt], new_tokens: int) -> dict[str, list[RequestRecord]]:
