@@ -253,7 +253,7 @@ def start_server(stack: ExitStack, dtype: str, env: dict) -> tuple[str, int]:
 SERVE_FLAGS = ("--max-num-seqs", "2", "--max-model-len", "2048", "--no-drafters")
 
 
-def machine(cores: list[int]) -> dict:
+def machine(cores: list[int], loadavg_start: tuple[float, float, float]) -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     import torch
@@ -267,12 +267,15 @@ def machine(cores: list[int]) -> dict:
             versions[pkg] = version(pkg)
         except PackageNotFoundError:
             versions[pkg] = None
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
     return {"cpu": model, "cpu_count": os.cpu_count(), "cores_used": cores,
             "bf16_matmul_flags": [f for f in flags if f in ("avx512_bf16", "amx_bf16", "amx_tile")],
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "loadavg_start": os.getloadavg(), "platform": platform.platform(), "python": platform.python_version(),
-            "versions": versions, "specserve_commit": commit}
+            "loadavg_start": loadavg_start, "loadavg_end": os.getloadavg(), "platform": platform.platform(), "python": platform.python_version(),
+            "versions": versions,
+            "specserve_commit": git("rev-parse", "HEAD"), "uncommitted_changes": bool(git("status", "--porcelain"))}
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -366,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--peers: unknown {', '.join(sorted(unknown))} (hf, llama)")
 
+    loadavg_start = os.getloadavg()
     # The same cores for everything: the servers (children) inherit this affinity.
     cores = sorted(os.sched_getaffinity(0))[:args.cores]
     os.sched_setaffinity(0, cores)
@@ -393,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
 
     reference = f"specserve_grpc_none_{args.dtypes[0]}"
     report = {"command": " ".join(shlex.quote(a) for a in ["python", "benchmarks/chat_peers.py", *sys.argv[1:]]),
-              "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "machine": {**machine(cores), "loadavg_end": os.getloadavg()},
+              "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "machine": machine(cores, loadavg_start),
               "settings": {"new_tokens": args.new_tokens, "kinds": sorted({p.kind for p in prompts}), "threads": threads,
                            "dtypes": args.dtypes, "methods": args.methods, "serve_flags": list(SERVE_FLAGS),
                            "llama_cpp_lookup": LOOKUP, "concurrency": 1, "temperature": 0},
@@ -427,6 +431,10 @@ def add_peers(systems: dict[str, Runner], skipped: dict[str, str], peers: list[s
               threads: int) -> None:
     import transformers
 
+    for peer, names in (("hf", [f"hf_generate_{d}" for d in dtypes]), ("llama", ["llama_cpp", "llama_cpp_lookup"])):
+        if peer not in peers:
+            skipped.update({name: "left out by --peers" for name in names})
+            print(f"chat_peers: skipping {', '.join(names)}: left out by --peers", flush=True)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(TARGET))
     if "hf" in peers:
         import torch
