@@ -455,7 +455,8 @@ def add_peers(systems: dict[str, Runner], skipped: dict[str, str], peers: list[s
             from specserve.model.smollm2 import verified_gguf
 
             gguf = str(verified_gguf())
-            eos = set(transformers.GenerationConfig.from_pretrained(str(TARGET)).eos_token_id or [])
+            eos = transformers.GenerationConfig.from_pretrained(str(TARGET)).eos_token_id
+            eos = {eos} if isinstance(eos, int) else set(eos or [])
             common = dict(model_path=gguf, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
             systems["llama_cpp"] = llama_runner(Llama(**common), tokenizer, eos, "none")
             systems["llama_cpp_lookup"] = llama_runner(
