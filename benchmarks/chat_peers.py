@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -237,7 +238,9 @@ def start_server(stack: ExitStack, dtype: str, env: dict) -> tuple[str, int]:
     """One `specserve serve --openai-port` for this target dtype: (gRPC url, OpenAI port)."""
     from specserve.cli.serve_process import serve_process
 
+    (ROOT / "work_dirs").mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"chat-peers-{dtype}-", dir=ROOT / "work_dirs"))
+    stack.callback(shutil.rmtree, work, ignore_errors=True)   # after the server stops (its log is serve's output)
     served = stack.enter_context(serve_process(
         [sys.executable, "-m", "specserve.cli.main"], "--target", str(TARGET), "--dtype", dtype,
         *SERVE_FLAGS, "--openai-port", "0", "--work-dir", str(work), env=env, ready_timeout=900))
