@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install aiperf test demo smollm2 serve bench engine-bench eagle-bench dspark-bench dflash-bench mtp-bench gpu-check image-check admin-key clean
+.PHONY: install aiperf peers chat-peers test demo smollm2 serve bench engine-bench eagle-bench dspark-bench dflash-bench mtp-bench gpu-check image-check admin-key clean
 
 install: $(STAMP)
 
@@ -38,6 +38,22 @@ $(AIPERF_STAMP):
 	test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
 	$(AIPERF_VENV)/bin/python -m pip install -q aiperf==0.13.0
 	touch $(AIPERF_STAMP)
+
+# llama.cpp's Python binding, for benchmarks/chat_peers.py's llama.cpp peer (the benchmark skips
+# that peer, and says so, without it). Not part of install: pip builds it from the registry's
+# source distribution (a C++ build: several minutes, needs a compiler; cmake comes as a build dep).
+PEERS_STAMP := $(VENV)/.peers-installed
+peers: $(PEERS_STAMP)
+
+$(PEERS_STAMP): $(STAMP)
+	$(PY) -m pip install llama-cpp-python==0.3.36
+	touch $(PEERS_STAMP)
+
+# SmolLM2-135M-Instruct chat at c = 1 against transformers and llama.cpp on the same cores
+# (docs/smollm2/peers.md); ~15 min on 2 quiet cores. Override with CHAT_PEERS_ARGS.
+CHAT_PEERS_ARGS ?= --prompts 10 --new-tokens 128 --cores 2
+chat-peers: smollm2 peers
+	$(PY) benchmarks/chat_peers.py $(CHAT_PEERS_ARGS)
 
 # Two pytest workers, each whole test file on one of them (its module-scoped servers and its
 # test order stay together): the tests run torch on one thread each, so one worker leaves a

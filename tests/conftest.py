@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import re
-import signal
-import subprocess
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from specserve.triton.launch import PORT_RETRIES, PORT_TAKEN, Ports
+# `specserve serve` as a child process (tests that serve through the CLI; benchmarks use it too).
+from specserve.cli.serve_process import serve_process  # noqa: F401
 
 # Tests use tiny tensors, where torch's intra-op thread pool only costs: with another process
 # busy on the second core, a [4, 5] softmax took 4 ms with 2 threads and 1.4 us with 1.
@@ -83,86 +79,6 @@ def running_server(repo, root, extra_args=()):
         yield srv
     finally:
         srv.stop()
-
-
-READY = "specserve: ready"
-
-
-@dataclass
-class ServeProcess:
-    """A running `specserve serve`, its output read up to and including the ready banner."""
-
-    proc: subprocess.Popen
-    ports: Ports
-    output: list[str]
-
-    def next_lines(self, n: int) -> str:
-        lines = [next(self.proc.stdout) for _ in range(n)]
-        self.output += lines
-        return "".join(lines)
-
-    def openai_port(self, timeout: float = 300) -> int:
-        """The port that `--openai-port 0` bound, from the line serve prints for it."""
-        line = self.read_until("  OpenAI   http://", timeout)
-        return int(re.search(r":(\d+)/v1", line).group(1))
-
-    def read_until(self, marker: str, timeout: float = 300) -> str:
-        deadline = time.monotonic() + timeout
-        for line in self.proc.stdout:
-            self.output.append(line)
-            if marker in line:
-                return line
-            if time.monotonic() > deadline:
-                break
-        pytest.fail(f"no {marker!r} in the output of specserve serve:\n" + "".join(self.output[-30:]))
-
-    def stop(self, timeout: float = 60) -> int:
-        """SIGTERM (docker stop, Kubernetes): serve drains, stops tritonserver and exits; the rest
-        of its output is read meanwhile (see tail())."""
-        self.proc.send_signal(signal.SIGTERM)
-        rest, _ = self.proc.communicate(timeout=timeout)
-        self.output += rest.splitlines(keepends=True)
-        return self.proc.returncode
-
-    def tail(self, n: int = 40) -> str:
-        return "".join(self.output[-n:])
-
-
-def _lost_a_port(lines: list[str]) -> bool:
-    """Did this start lose a port to another process? Our own check (`port N is already in use`)
-    or tritonserver's bind errors (launch.PORT_TAKEN)."""
-    return any(p in line for line in lines for p in PORT_TAKEN)
-
-
-@contextlib.contextmanager
-def serve_process(command: list[str], *args: str, cwd=None, env=None, ready_timeout: float = 300):
-    """`command serve ARGS` (command: `[sys.executable, "-m", "specserve.cli.main"]`, or an
-    installed `specserve` script) on free HTTP / gRPC / metrics ports, yielded as a ServeProcess
-    once it prints its ready banner. A probed free port can be taken before the server binds it:
-    a start that fails, or comes up, having lost one, is stopped and made again on fresh ports
-    (launch.PORT_RETRIES times), so no test depends on port luck. Killed on exit if still running."""
-    for _ in range(PORT_RETRIES + 1):
-        ports = Ports.free()
-        proc = subprocess.Popen([*command, "serve", *args, "--http-port", str(ports.http),
-                                 "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics)],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env)
-        try:
-            lines, deadline = [], time.monotonic() + ready_timeout
-            for line in proc.stdout:
-                lines.append(line)
-                if line.startswith(READY) or time.monotonic() > deadline:
-                    break
-            ready = bool(lines) and lines[-1].startswith(READY)
-            if _lost_a_port(lines):
-                continue
-            assert ready, "specserve serve did not get ready:\n" + "".join(lines[-30:])
-            yield ServeProcess(proc, ports, lines)
-            return
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    pytest.fail(f"specserve serve lost a port {PORT_RETRIES + 1} times in a row:\n" + "".join(lines[-30:]))
 
 
 @pytest.fixture(scope="session", params=FAMILIES)
