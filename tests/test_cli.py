@@ -139,3 +139,30 @@ def test_drain_tries_a_timed_out_control_call_again_until_its_deadline(monkeypat
     monkeypatch.setattr(control, "send_control", never)
     with pytest.raises(control.ControlError, match="no answer to 'drain'"):
         cli.drain(server, "k", timeout=0)
+
+
+def test_drain_returns_only_once_tritonserver_answered_the_unload_of_llm(monkeypatch):
+    """Stopping tritonserver while its unload of `llm` is still on the way left the ensemble live
+    until the exit timeout on a loaded machine (serve then exited 1): drain waits for the answer."""
+    import threading
+    import types
+
+    from specserve.cli import main as cli
+    from specserve.triton import control
+
+    events, asked_status = [], threading.Event()
+
+    def send(url, key, command, timeout=10.0):
+        if command == "status":
+            asked_status.set()
+        return {"live": 0}
+
+    def unload(server, name):
+        asked_status.wait()          # answered only after drain found nothing in flight
+        events.append(f"unloaded {name}")
+
+    monkeypatch.setattr(control, "send_control", send)
+    monkeypatch.setattr(cli, "_unload_quietly", unload)
+    assert cli.drain(types.SimpleNamespace(grpc_url="localhost:1"), "k", timeout=60) == 0
+    events.append("drain returned")
+    assert events == ["unloaded llm", "drain returned"]

@@ -324,6 +324,9 @@ def supervise(server, poll_s: float = SUPERVISE_POLL_S) -> int:
     return server.process.returncode
 
 
+UNLOAD_WAIT_S = 30.0   # at least this long for tritonserver to answer the drain's unload of `llm`
+
+
 def drain(server, internal_key: str, timeout: float, poll_s: float = 0.25) -> int:
     """Graceful shutdown, before tritonserver itself is stopped: the engine refuses new requests,
     `llm` is unloaded so the server reports not ready (in-flight streams keep their models until
@@ -352,7 +355,8 @@ def drain(server, internal_key: str, timeout: float, poll_s: float = 0.25) -> in
                     raise
 
     control("drain")
-    threading.Thread(target=_unload_quietly, args=(server, "llm"), daemon=True).start()
+    unloader = threading.Thread(target=_unload_quietly, args=(server, "llm"), daemon=True)
+    unloader.start()
     live = control("status")["live"]
     while live and time.monotonic() < deadline:
         time.sleep(poll_s)
@@ -368,6 +372,12 @@ def drain(server, internal_key: str, timeout: float, poll_s: float = 0.25) -> in
             except ControlError:
                 break
             time.sleep(poll_s)
+    # tritonserver is stopped only once it has answered the unload of `llm`: an unload still
+    # on its way when shutdown starts left the ensemble live until the exit timeout (on a loaded
+    # machine), and tritonserver then exits 1. With nothing in flight the answer comes at once.
+    unloader.join(max(deadline - time.monotonic(), UNLOAD_WAIT_S))
+    if unloader.is_alive():
+        print("specserve: tritonserver has not unloaded llm; stopping it all the same", flush=True)
     print("specserve: drained; stopping tritonserver", flush=True)
     return live
 
