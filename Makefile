@@ -58,10 +58,11 @@ chat-peers: smollm2 peers
 # Two pytest workers, each whole test file on one of them (its module-scoped servers and its
 # test order stay together): the tests run torch on one thread each, so one worker leaves a
 # core of this 2-core CI machine idle. More workers only add servers competing for the cores.
+# Files run in the order tests/conftest.py gives (the longest first), not by their test count.
 TEST_WORKERS ?= 2
 
 test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 # The reference real model: check the GGUF's sha256, import it (fp32) into $(SMOLLM2), and check
 # that our engine's greedy output equals transformers' generate on a few chat prompts.

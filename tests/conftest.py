@@ -84,3 +84,17 @@ def running_server(repo, root, extra_args=()):
 @pytest.fixture(scope="session", params=FAMILIES)
 def tiny_ckpt(request, tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=1)
+
+
+# The longest test files (make test's --durations, quiet 2-core machine), started first: with one
+# file per xdist worker (--dist loadfile), a long file started last would leave one worker running
+# it alone at the end. Within a file the order is kept (some files end on a test that kills a server).
+LONGEST_FIRST = ("test_triton_eagle.py", "test_policy_recovery_triton.py", "test_reliability.py",
+                 "test_triton_dflash.py", "test_smollm2.py", "test_eagle_triton_bench.py", "test_seeded_engine.py",
+                 "test_bench_e2e.py", "test_static_step.py", "test_dspark.py", "test_wheel.py", "test_seeded.py",
+                 "test_openai.py", "test_cli.py", "test_tiers_triton.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: file order kept otherwise
