@@ -18,7 +18,8 @@ for speed:
 3. How often greedy output parts from fp32's on the chat prompts: the share of prompts whose
    answer differs, the share of answer tokens from the first difference on, the mean common prefix.
 4. Plain decode tokens/s at c = 1 (`none`, --speed-tokens tokens, end of turn ignored), every
-   configuration once per round, --rounds rounds alternated, the median kept; a step's time is the
+   configuration once per round after one untimed warm-up request each, --rounds rounds alternated,
+   the median kept; a step's time is the
    engine's own (SpecStats draft + verify seconds), so the prefill is not in it.
 
 Configurations: fp32 and bf16 (dense), int8 and int4 (group --group-size) with fp32 and with bf16
@@ -182,6 +183,8 @@ def run(args, log=print) -> dict:
         for key in ("chat_ppl_on_fp32_answers", "natural_text_ppl"):
             quality[c.name][key.replace("ppl", "ppl_vs_fp32")] = round(quality[c.name][key] / quality["fp32"][key], 4)
     speed = {c.name: [] for c in cfgs}
+    for c in cfgs:   # untimed: a first c = 1 request per engine ran 20-50x slower than the next ones
+        decode_tok_s(built[c.name][0], prompts[0], args.speed_tokens, f"warm-{c.name}")
     for rnd in range(args.rounds):
         for c in cfgs:
             speed[c.name].append(decode_tok_s(built[c.name][0], prompts[0], args.speed_tokens, f"speed-{rnd}-{c.name}"))
