@@ -34,6 +34,19 @@ def check_checkpoint(target: Path, max_model_len: int | None) -> int:
     return max_model_len
 
 
+def check_quantization_flags(target: Path, quantize: str, group_size: int, device_type: str, dtype: str) -> None:
+    """--quantize / --quantize-group-size against the checkpoint's shapes, the device and --dtype
+    (the engine checks the same at load; here it fails before a server starts)."""
+    from specserve.model.quantize import Quantization, QuantizeError, check_quantization
+    from specserve.model.transformer import load_config
+
+    try:
+        check_quantization(Quantization(quantize, group_size), load_config(target), device_type, dtype)
+    except QuantizeError as e:
+        flag = "--quantize-group-size" if "group size" in str(e) else "--quantize"
+        raise CliError(f"{flag}: {e}") from None
+
+
 def resolve_drafters(target: Path, flags: list[str], disabled: bool) -> tuple[tuple[str, str], ...]:
     """--drafter METHOD=DIR flags, else the drafters found beside the target (a folder named after
     its method whose config.json says so: models/demo/eagle, …/dflash, …/draft, …/mtp)."""

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from specserve.cli.checks import CliError, check_checkpoint, resolve_drafters
+from specserve.cli.checks import CliError, check_checkpoint, check_quantization_flags, resolve_drafters
 from specserve.serving.auth import ADMIN_KEY_ENV, ADMIN_KEY_FILE
 from specserve.methods import registry
 
@@ -111,6 +111,14 @@ def _load_tiers(path: Path | None, methods: list[str], max_draft_len: int, max_l
         raise CliError(f"--tiers {path}: {e}") from None
 
 
+def _quantized(settings: "DeploymentSettings") -> str:
+    """The startup line's word on the target's weights ("" when they are not quantized)."""
+    if settings.quantize == "none":
+        return ""
+    group = f" group {settings.quantize_group_size}" if settings.quantize == "int4" else ""
+    return f" activations, {settings.quantize}{group} weights"
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -128,9 +136,10 @@ def serve_settings(args: argparse.Namespace) -> tuple["DeploymentSettings", list
     drafters = resolve_drafters(target, args.drafter, args.no_drafters)
     methods = served_methods(drafters)
     try:
-        resolve_device(args.device)
+        device = resolve_device(args.device)
     except ValueError as e:
         raise CliError(f"--device: {e}") from None
+    check_quantization_flags(target, args.quantize, args.quantize_group_size, device.type, args.dtype)
     found = dict(max_model_len=max_len, drafters=drafters)
     default = from_args(args, **found).method_by_default()
     if default not in methods:
@@ -212,7 +221,7 @@ def _run_server(args: argparse.Namespace, settings: "DeploymentSettings", work: 
     signal.signal(signal.SIGTERM, _interrupt)
     print(f"specserve: serving {settings.checkpoint} (max_model_len={settings.max_model_len}, "
           f"max_num_seqs={settings.max_num_seqs}, methods: {', '.join(methods)}; default {settings.default_method}; "
-          f"{settings.dtype} on {settings.device}) from {repo}", flush=True)
+          f"{settings.dtype}{_quantized(settings)} on {settings.device}) from {repo}", flush=True)
     from specserve.serving.build import where_drafters_run
 
     for line in where_drafters_run(settings):

@@ -150,15 +150,19 @@ def build_engine(settings: DeploymentSettings, remote: "RemoteCalls | None" = No
     `remote`: the BLS calls of remote proposers (the target_verifier adapter's); None: built in
     process, where mtp runs fused (logged) and a remote placement of a drafter is refused."""
     from specserve.core.engine import Engine
-    from specserve.model.transformer import load_model
+    from specserve.model.quantize import check_quantization, quantize_target
+    from specserve.model.transformer import load_config, load_model
 
     import torch
 
     if settings.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {settings.dtype!r}")
     tokenizer = load_tokenizer(settings.checkpoint)
-    model = load_model(settings.checkpoint, dtype=getattr(torch, settings.dtype),
-                       device=resolve_device(settings.device))
+    device = resolve_device(settings.device)
+    # Refused before the weights are read: a quantization this checkpoint / device / dtype cannot run.
+    check_quantization(settings.quantization(), load_config(settings.checkpoint), device.type, settings.dtype)
+    model = load_model(settings.checkpoint, dtype=getattr(torch, settings.dtype), device=device)
+    quantize_target(model, settings.quantization())
     config = settings.engine_config()
     proposers = build_proposers(model, settings, config.max_model_len, remote)
     fault_injection.inject(proposers)   # a no-op unless a test asks for it

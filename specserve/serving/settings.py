@@ -28,6 +28,7 @@ from specserve.core.draft_policy import POLICIES
 from specserve.core.config import EngineConfig
 from specserve.methods import registry
 from specserve.model.devices import DRAFTER_DTYPES, DTYPES
+from specserve.model.quantize import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, QUANTIZE_MODES, Quantization
 from specserve.serving.auth import new_key
 from specserve.serving.text_classifier import DEFAULT_DFLASH_TYPES, TEXT_TYPES
 from specserve.serving.tiers import Tier
@@ -128,6 +129,18 @@ class DeploymentSettings:
         help="compute dtype of the target; float32 (default) keeps greedy output token-exact vs plain "
              "decoding, bfloat16 is faster where the CPU/GPU has bf16 matmuls but may part from plain "
              "decoding at near-ties (bf16 rounding)")
+    # Weight-only quantization of the target's decoder projections at load (model/quantize.py);
+    # the activations, KV cache, embedding and LM head stay in --dtype. Lossless relative to
+    # the quantized target: speculation never changes what it would produce.
+    quantize: str = setting(
+        "none", param=STR, choices=QUANTIZE_MODES,
+        help="weight-only quantization of the target's linear layers at load: int8 (one scale per output "
+             "channel) or int4 (a scale and zero per group of input features); activations stay in --dtype "
+             "(int4 on CUDA needs bfloat16)")
+    quantize_group_size: int = setting(
+        DEFAULT_GROUP_SIZE, param=INT, metavar="G",
+        help=f"int4's group size: input features per scale and zero, one of "
+             f"{', '.join(map(str, INT4_GROUP_SIZES))} that divides every layer's input features")
     # Never affects the output, which the target verifies. Remote drafters run their exported
     # fp32 ONNX models.
     drafter_dtype: str = setting(
@@ -202,6 +215,9 @@ class DeploymentSettings:
     def resolved(self) -> "DeploymentSettings":
         """These settings with max_model_len and default_method filled in (what is rendered)."""
         return replace(self, max_model_len=self.model_len(), default_method=self.method_by_default())
+
+    def quantization(self) -> Quantization:
+        return Quantization(self.quantize, self.quantize_group_size)
 
     def engine_config(self) -> EngineConfig:
         """The core's EngineConfig for this deployment."""
