@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "demo"
 DRAFTERS = tuple((m, str(DEMO / m)) for m in registry.folder_methods())
 METHODS = [m for m in registry.names() if m != "none"]
-PROMPTS = ["def parse_args(argv):\n    parser = argparse.", "The history of the city begins with"]
-MAX_TOKENS = 24
+PROMPT = "def parse_args(argv):\n    parser = argparse."   # code: the demo drafters' domain
+MAX_TOKENS = 16
 # The kernels accumulate in fp32 in their own order; against an fp64 matmul with the dequantized
 # weight that is rounding only: 1e-5 of the output's scale (fp32). bf16 activations round the
 # inputs, scales and output to 8 bits of mantissa: 2 % of the output's scale.
@@ -173,13 +173,13 @@ def quantized_demo(request):
     from specserve.serving.build import build_engine
     from specserve.serving.settings import DeploymentSettings
 
-    engine, tok = build_engine(DeploymentSettings(DEMO / "target", max_num_seqs=len(METHODS) + 2, max_model_len=256,
+    engine, tok = build_engine(DeploymentSettings(DEMO / "target", max_num_seqs=len(METHODS), max_model_len=256,
                                                    drafters=DRAFTERS, device="cpu", draft_policy="fixed",
                                                    default_method="none", quantize=request.param))
     greedy = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    plain = engine.generate([GenerationRequest(f"none-{i}", tok.encode(p).ids, greedy, method="none")
-                             for i, p in enumerate(PROMPTS)])
-    return engine, tok, [plain[f"none-{i}"].new_token_ids for i in range(len(PROMPTS))]
+    ids = tok.encode(PROMPT).ids
+    plain = engine.generate([GenerationRequest("none", ids, greedy, method="none")])["none"].new_token_ids
+    return engine, ids, plain
 
 
 def test_the_demo_target_is_quantized(quantized_demo):
@@ -188,23 +188,15 @@ def test_the_demo_target_is_quantized(quantized_demo):
 
 
 def test_greedy_speculative_output_equals_plain_output_of_the_quantized_target(quantized_demo):
-    """Every method alone and all of them in one batch: the quantized target's plain tokens."""
-    engine, tok, plain = quantized_demo
+    """Every method in one batch (each method's verify beside the others'), on the code prompt
+    the demo drafters know: the quantized target's plain tokens, with drafted tokens accepted
+    (so the drafts mattered)."""
+    engine, ids, plain = quantized_demo
     greedy = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    for method in METHODS:
-        accepted = 0
-        for i, prompt in enumerate(PROMPTS):
-            r = GenerationRequest(f"{method}-{i}", tok.encode(prompt).ids, greedy, method=method)
-            got = engine.generate([r])[r.request_id]
-            assert got.new_token_ids == plain[i], (method, i)
-            assert got.stats.method == method
-            accepted += got.stats.accepted_tokens
-        assert accepted > 0, f"{method} never had a drafted token accepted"
-    batch = [GenerationRequest(f"mix-{m}", tok.encode(PROMPTS[n % 2]).ids, greedy, method=m)
-             for n, m in enumerate(METHODS)]
-    out = engine.generate(batch)
-    for n, m in enumerate(METHODS):
-        assert out[f"mix-{m}"].new_token_ids == plain[n % 2], m
+    out = engine.generate([GenerationRequest(m, ids, greedy, method=m) for m in METHODS])
+    for m in METHODS:
+        assert out[m].new_token_ids == plain and out[m].stats.method == m, m
+        assert out[m].stats.accepted_tokens > 0, f"{m} never had a drafted token accepted"
 
 
 def test_sampled_eagle_follows_the_quantized_target_distribution(tmp_path):
