@@ -334,7 +334,13 @@ def compare(report: dict, records: dict[str, list[RequestRecord]], prompts: list
             if o is None or g is None:
                 continue
             bad = [r.index for r, s in zip(o, g) if r.text != s.text]
-            if bad:
+            if dtype != "float32" and method != "none":
+                # Not a check: the adaptive policy picks draft lengths from measured costs, and in
+                # bf16 a verify of another width rounds differently, so two runs of one request
+                # may differ (the bf16 caveat: only fp32 greedy output is exact).
+                checks.append(f"{dtype} {method}: OpenAI text == gRPC text on {len(o) - len(bad)}/{len(o)} prompts "
+                              "(bf16 with drafting: informative)")
+            elif bad:
                 failures.append(f"{dtype} {method}: OpenAI text differs from gRPC text on prompts {bad}")
             else:
                 checks.append(f"{dtype} {method}: OpenAI text == gRPC text on every prompt")
