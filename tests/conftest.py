@@ -18,6 +18,19 @@ torch.set_num_threads(1)
 FAMILIES = ("llama", "qwen2", "mistral")
 
 
+def load_benchmark(name: str):
+    """benchmarks/NAME.py as a module (benchmarks/ is no package), registered in sys.modules:
+    dataclasses look their module up there."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def make_tiny_checkpoint(path, family: str, *, vocab_size: int = 512, seed: int = 0,
                          tie: bool = False, rope_scaling: dict | None = None, **overrides) -> str:
     import transformers

@@ -3,26 +3,17 @@ overhead against gRPC (the benchmark itself starts servers: not run in the suite
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
+from conftest import load_benchmark
 from specserve.cli.bench.events import Chunk, RequestRecord
-
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("chat_peers", ROOT / "benchmarks/chat_peers.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("chat_peers")
 
 
 ROWS = [{"kind": k, "id": i} for i, k in enumerate("aaaabbc")]

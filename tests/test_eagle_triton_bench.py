@@ -6,30 +6,18 @@ BLS, with the drafter models' compute inside that call."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
+from conftest import load_benchmark
+
 pytestmark = pytest.mark.triton
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("eagle_triton_bench", ROOT / "benchmarks/eagle_triton_bench.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
 
 def test_eagle_triton_bench_runs_every_configuration(tmp_path):
     out = tmp_path / "r.json"
-    result = load_bench().main(["--prompts", "2", "--new-tokens", "24", "--out", str(out)])
+    result = load_benchmark("eagle_triton_bench").main(["--prompts", "2", "--new-tokens", "24", "--out", str(out)])
     assert json.loads(out.read_text()) == result
     rows = result["configs"]
     assert list(rows) == ["none", "eagle", "eagle_fixed4", "eagle_remote", "none_remote"]
