@@ -15,6 +15,7 @@ from conftest import load_benchmark
 
 pytestmark = pytest.mark.triton
 
+
 def test_eagle_triton_bench_runs_every_configuration(tmp_path):
     out = tmp_path / "r.json"
     result = load_benchmark("eagle_triton_bench").main(["--prompts", "2", "--new-tokens", "24", "--out", str(out)])
