@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
 T = TypeVar("T")
@@ -52,3 +54,30 @@ def scrape_metrics(url: str) -> dict[str, float]:
     with urllib.request.urlopen(url, timeout=10) as r:
         text = r.read().decode()
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(specserve_\S+) (\S+)$", text, re.MULTILINE)}
+
+
+class DrafterHold:
+    """The fault hook's `hold` (specserve/serving/fault_injection.py) from the test's side: the
+    engine stops inside its next drafter call, so what the test does meanwhile happens while the
+    requests of that call are provably in flight, however fast they would otherwise finish."""
+
+    def __init__(self, fault_file: Path):
+        self.file, self.marker = fault_file, fault_file.with_name(fault_file.name + ".held")
+
+    def hold(self) -> None:
+        self.file.write_text("hold")
+
+    def wait_held(self, futures: Sequence[Future], timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.marker.exists():
+            assert not any(f.done() for f in futures), "a stream ended before the engine was held"
+            assert time.monotonic() < deadline, "the engine made no drafter call to hold"
+            time.sleep(0.05)
+
+    def release(self, timeout: float = 600) -> None:
+        """Lets the held call go on and waits until it has (so a next hold holds the next call)."""
+        self.file.write_text("")
+        deadline = time.monotonic() + timeout
+        while self.marker.exists():
+            assert time.monotonic() < deadline, "the held drafter call did not go on"
+            time.sleep(0.05)

@@ -22,12 +22,13 @@ from specserve.methods import registry
 from specserve.methods.eagle.drafter import save_eagle
 from specserve.methods.mtp.heads import MTPConfig, MTPHeads, _target_fields, save_mtp_heads
 from specserve.model.tiny import train_tiny_tokenizer
+from specserve.serving.fault_injection import FAULT_FILE_ENV
 from specserve.triton import drafters
 from specserve.triton.client import CompletionError, StreamClient
 from specserve.triton.launch import TritonServer
 from specserve.serving.settings import DeploymentSettings
 from specserve.triton.render import render_repository
-from streams import during_streams, scrape_metrics
+from streams import DrafterHold, during_streams, scrape_metrics
 from test_eagle import random_drafter
 
 pytestmark = pytest.mark.triton
@@ -63,9 +64,14 @@ def start_server(tmp_path_factory, placement: str):
                                                 remote_timeout_s=10.0),
                              root / "model_repository")
     extra = ["--model-control-mode=explicit", "--load-model=*"] if placement == "remote" else []
+    fault = root / "fault"     # the fault hook, idle while empty (DrafterHold writes it)
+    fault.write_text("")
     srv = TritonServer(repo, root, None, log_file=root / "tritonserver.log", exit_timeout_s=5,
                        extra_args=extra)
-    srv.start()
+    srv.fault = fault
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(FAULT_FILE_ENV, str(fault))     # read by the server's engine
+        srv.start()
     try:
         srv.wait_ready(180)
     except BaseException:
@@ -172,39 +178,51 @@ def test_mtp_request_overrides_reach_the_remote_arbiter(server):
 
 
 def test_unloading_a_drafter_of_mtp_proposal_during_eight_streams_fails_nothing(server):
-    """While 8 mtp streams run, mtp_heads, then draft_drafter, then eagle_backbone go away, and come
-    back in the same order (the ensemble fails; the engine calls the drafters still loaded and
-    mtp_arbiter one by one; EAGLE is re-primed, the draft model catches up from the tokens): every
-    output equals plain decoding, the streams decoded steps without each of them, and a request
-    decoded in between names exactly the drafters then unloaded (and the ensemble) in
-    proposer_skipped. Then ngram_drafter, for one request."""
+    """mtp_heads, then draft_drafter, then eagle_backbone go away and come back in the same order
+    (the ensemble fails; the engine calls the drafters still loaded and mtp_arbiter one by one;
+    EAGLE is re-primed, the draft model catches up from the tokens). Between the steps a request
+    decoded alone names exactly the drafters then unloaded (and the ensemble) in proposer_skipped.
+    Then the same during 8 mtp streams, each step taken while the engine is held inside their
+    drafter call (so the streams see every state, however fast they decode): every output equals
+    plain decoding and the streams decoded steps without each drafter. Then ngram_drafter."""
     jobs = [(PROMPTS + [MTP_PROMPT])[i % 5] for i in range(8)]
     want = {p: gen(server, p, "none", 200) for p in set(jobs)}
     want_short = gen(server, PROMPTS[2], "none", 12).text
     models = {"mtp_heads": "mtp_heads", "draft_drafter": "draft", "eagle_backbone": "eagle"}
+    steps = [("unload", m) for m in models] + [("load", m) for m in models]
 
-    def unload_and_reload():
-        # All unloads first: a load (a stub starting) takes seconds, the streams may not outlast two.
-        seen, gone = [], set()
-        for action, model in [("unload", m) for m in models] + [("load", m) for m in models]:
-            getattr(drafters, action)(server.grpc_url, model, server.admin_key)
-            (gone.add if action == "unload" else gone.discard)(models[model])
-            if gone:
-                alone = gen(server, PROMPTS[2], "mtp", 12)
-                assert alone.text == want_short, (action, model)
-                seen.append((set(gone), alone.spec_stats["proposer_skipped"]))
-        return seen
-
-    results, seen = during_streams(lambda p, on_chunk: StreamClient(server.grpc_url).generate(
-        p, {"max_tokens": 200, "spec_method": "mtp"}, on_chunk=on_chunk, timeout=300), jobs, unload_and_reload)
-    for p, r in zip(jobs, results):
-        assert (r.text, r.finish_reason) == (want[p].text, want[p].finish_reason)
-        assert r.spec_stats["proposer_errors"] == 0 or r.spec_stats["proposer_skipped"]
+    seen, gone = [], set()
+    for action, model in steps:
+        getattr(drafters, action)(server.grpc_url, model, server.admin_key)
+        (gone.add if action == "unload" else gone.discard)(models[model])
+        if gone:
+            alone = gen(server, PROMPTS[2], "mtp", 12)
+            assert alone.text == want_short, (action, model)
+            seen.append((set(gone), alone.spec_stats["proposer_skipped"]))
     assert [g for g, _ in seen] == [{"mtp_heads"}, {"mtp_heads", "draft"}, {"mtp_heads", "draft", "eagle"},
                                     {"draft", "eagle"}, {"eagle"}]
     for gone, skipped in seen:
         assert set(skipped) == {"mtp_proposal", *gone}, (gone, skipped)
         assert all(skipped[sub] == skipped["mtp_proposal"] > 0 for sub in gone), (gone, skipped)
+
+    hold = DrafterHold(server.fault)
+    hold.hold()
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(lambda p: StreamClient(server.grpc_url).generate(
+            p, {"max_tokens": 200, "spec_method": "mtp"}, timeout=600), p) for p in jobs]
+        try:
+            for i, (action, model) in enumerate(steps):
+                hold.wait_held(futures)
+                getattr(drafters, action)(server.grpc_url, model, server.admin_key)
+                hold.release()
+                if i + 1 < len(steps):
+                    hold.hold()
+        finally:
+            hold.release()
+        results = [f.result() for f in futures]
+    for p, r in zip(jobs, results):
+        assert (r.text, r.finish_reason) == (want[p].text, want[p].finish_reason)
+        assert r.spec_stats["proposer_errors"] == 0 or r.spec_stats["proposer_skipped"]
     in_streams = [r.spec_stats["proposer_skipped"] for r in results]
     for name in ("mtp_proposal", *models.values()):
         assert sum(s.get(name, 0) for s in in_streams) > 0, (name, in_streams)

@@ -4,7 +4,8 @@ With SPECSERVE_DRAFT_FAULT_FILE set in the server's environment, every drafter c
 that file: a number → sleep that many seconds (a drafter slowed by a busy machine); `raise` →
 raise RuntimeError (a fused drafter's bug); `hold` → block until the file says something else,
 having created `<file>.held` (so a test knows the engine is inside a drafter call with its
-requests in flight, and acts on the server then: no race with how fast the requests finish);
+requests in flight, and acts on the server then: no race with how fast the requests finish),
+which the call removes once released (so the test knows it went on before holding the next);
 empty or missing → nothing. A test rewrites the file to script its phases
 (tests/test_policy_recovery_triton.py). Unset, nothing is wrapped.
 """
@@ -45,9 +46,11 @@ def _faulty(propose, path: Path):
     def call(requests):
         fault = _read(path)
         if fault == "hold":
-            path.with_name(path.name + ".held").touch()
+            held = path.with_name(path.name + ".held")
+            held.touch()
             while (fault := _read(path)) == "hold":
                 time.sleep(HOLD_POLL_S)
+            held.unlink(missing_ok=True)   # released: a test may hold the next call now
         if fault == "raise":
             raise RuntimeError(f"injected drafter fault ({FAULT_FILE_ENV})")
         if fault:
