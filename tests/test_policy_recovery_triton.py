@@ -142,9 +142,15 @@ def test_remote_drafts_again_after_eagle_proposal_is_unloaded_and_loaded(remote)
     assert sum(r.spec_stats["proposer_errors"] for r in results) > 0
     states = {m.name: m.state for m in drafters.list_models(remote.grpc_url, remote.admin_key)}
     assert states["eagle_proposal"] == "READY"
-    # The engine's back-off from the failed calls runs out first (up to 8 s).
-    deadline = time.monotonic() + 120
-    while gen(remote, CODE[1], max_tokens=8).spec_stats["proposer_errors"]:
-        assert time.monotonic() < deadline
+    # The engine's back-off from the failed calls runs out first (up to 8 s), and Triton retires
+    # the members' old instances after the load returns: a request in that time may still see
+    # failed calls (exact text all the same). Within a bound, a request drafts again without one.
+    deadline = time.monotonic() + 180
+    while True:
+        after = gen(remote, CODE[1])
+        assert after.text == want[CODE[1]]
+        if after.spec_stats["proposer_errors"] == 0:
+            break
+        assert time.monotonic() < deadline, after.spec_stats
         time.sleep(0.5)
     drafts_again(remote, CODE[1], want[CODE[1]])

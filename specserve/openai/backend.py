@@ -56,6 +56,7 @@ class TritonBackend:
             await done.wait()   # keep the stream open until the final response
 
         responses = self.client.stream_infer(requests())
+        finished = False
         try:
             async for result, error in responses:
                 if error is not None:
@@ -63,12 +64,20 @@ class TritonBackend:
                 piece = read_response(result)
                 if piece is None:
                     continue
-                yield piece
                 if piece.finish_reason:
+                    finished = True
+                yield piece
+                if finished:
                     return
         finally:
-            done.set()
-            responses.cancel()   # no-op after the final response; cancels the request otherwise
+            done.set()   # ends the request stream: a finished request closes it normally
+            if not finished:
+                # A client gone mid-stream (or an error): cancel, so the engine frees the slot.
+                # Only then: after the final response a cancel races tritonserver's own end of
+                # the stream, and serve's shutdown twice found `llm` still live after OpenAI
+                # requests (exit timeout, exit 1) where plain gRPC clients, which never cancel a
+                # finished stream, left none.
+                responses.cancel()
 
     async def close(self) -> None:
         if self._client is not None:
