@@ -21,7 +21,7 @@ from specserve.triton.client import StreamClient
 from specserve.triton.launch import TritonServer
 from specserve.serving.settings import DeploymentSettings
 from specserve.triton.render import render_repository
-from streams import scrape_metrics
+from streams import DrafterHold, scrape_metrics
 
 pytestmark = pytest.mark.triton
 
@@ -125,18 +125,15 @@ def test_remote_drafts_again_after_eagle_proposal_is_unloaded_and_loaded(remote)
     # The engine is held inside a drafter call while streams are in flight; eagle_proposal is
     # unloaded then, so the held call (and those after it) fail however fast the streams would
     # have finished; it is loaded again while they run on.
-    held = remote.fault.with_name(remote.fault.name + ".held")
-    remote.fault.write_text("hold")
+    hold = DrafterHold(remote.fault)
+    hold.hold()
     jobs = [CODE[i % 4] for i in range(8)]
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = [pool.submit(lambda p: StreamClient(remote.grpc_url).generate(
             p, {"max_tokens": 96, "spec_method": "eagle"}, timeout=600), p) for p in jobs]
-        deadline = time.monotonic() + 600
-        while not held.exists():
-            assert time.monotonic() < deadline and not any(f.done() for f in futures)
-            time.sleep(0.1)
+        hold.wait_held(futures)
         drafters.unload(remote.grpc_url, "eagle_proposal", remote.admin_key)
-        remote.fault.write_text("")
+        hold.release()
         drafters.load(remote.grpc_url, "eagle_proposal", remote.admin_key)
         results = [f.result() for f in futures]
     for p, r in zip(jobs, results):
