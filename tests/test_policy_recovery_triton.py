@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from specserve.core.draft_policy import PROBE_EVERY
 from specserve.serving.fault_injection import FAULT_FILE_ENV
 from specserve.triton import drafters
 from specserve.triton.client import StreamClient
@@ -69,8 +70,8 @@ def remote(tmp_path_factory):
         yield srv
 
 
-def gen(srv, prompt, method="eagle", max_tokens=96):
-    return StreamClient(srv.grpc_url).generate(prompt, {"max_tokens": max_tokens, "spec_method": method})
+def gen(srv, prompt, method="eagle", max_tokens=96, **params):
+    return StreamClient(srv.grpc_url).generate(prompt, {"max_tokens": max_tokens, "spec_method": method, **params})
 
 
 def drafts_again(srv, prompt, want: str) -> None:
@@ -78,12 +79,15 @@ def drafts_again(srv, prompt, want: str) -> None:
     Whether it is back ON — drafting on steps that are not probes — depends on what drafting
     gains on this machine now, i.e. on its load, which a test must not assume; that it comes back
     within RECOVERY_STEPS once the drafter's calls cost what they did is pinned in process on an
-    injected clock (tests/test_draft_policy.py)."""
-    after = gen(srv, prompt)
+    injected clock (tests/test_draft_policy.py). The request drafts at fixed length
+    (spec_threshold 0): with the calibration head a probe may stop before its first token, so
+    whether a policy that stayed off drafts anything would depend on the head's confidence."""
+    after = gen(srv, prompt, spec_threshold=0)
     assert after.text == want
     st = after.spec_stats
     assert st["proposer_errors"] == 0 and st["draft_tokens"] > 0 and st["drafts"] > 0, st
-    assert st["policy"]["probe_steps"] <= st["drafts"], st
+    # Probes are bounded whatever the load: at most one decision step in PROBE_EVERY.
+    assert st["policy"]["probe_steps"] <= st["steps"] // PROBE_EVERY + 1, st
 
 
 def test_fused_drafts_again_after_a_contended_phase_and_after_it_raised(fused):
