@@ -117,6 +117,7 @@ def start_server(target: Path, drafter: Path, placement: str, work: Path, args):
     repo = render_repository(DeploymentSettings(target, max_num_seqs=2, max_model_len=args.max_model_len,
                                                 max_draft_len=args.max_draft_len, default_method="none",
                                                 drafters=(("eagle", str(drafter)),), placement=placement,
+                                                mtp_placement="fused",   # measured: eagle only
                                                 spec_threshold=args.threshold, dtype=args.dtype,
                                                 draft_policy="fixed"),
                              run_dir / "model_repository")

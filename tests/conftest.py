@@ -88,7 +88,7 @@ def running_server(repo, root, extra_args=()):
                        extra_args=list(extra_args))
     srv.start()
     try:
-        srv.wait_ready(180)
+        srv.wait_ready(600)
         yield srv
     finally:
         srv.stop()

@@ -35,7 +35,8 @@ CODE = [json.loads(line)["prompt"] for line in (DEMO / "heldout_prompts.jsonl").
 def demo_server(root: Path, placement: str):
     repo = render_repository(DeploymentSettings(DEMO / "target", max_num_seqs=8, max_model_len=512, max_draft_len=8,
                                                 default_method="eagle", drafters=(("eagle", str(DEMO / "eagle")),),
-                                                placement=placement, mtp_placement=placement,
+                                                # mtp is not served here: its remote drafters stay unloaded
+                                                placement=placement, mtp_placement="fused",
                                                 draft_policy="adaptive",
                                                 # a loaded machine must not time remote calls out:
                                                 # every proposer error here is one the test made

@@ -36,7 +36,8 @@ def server(tmp_path_factory):
                root / "eagle")
     repo = render_repository(DeploymentSettings(ckpt, max_num_seqs=16, max_model_len=512, max_draft_len=4,
                                                 default_method="none", drafters=(("eagle", str(root / "eagle")),),
-                                                spec_threshold=None, tiers=(FAST, CODE), draft_policy="fixed"),
+                                                spec_threshold=None, tiers=(FAST, CODE), draft_policy="fixed",
+                                                mtp_placement="fused"),   # the tiers run eagle and ngram; mtp is not served here
                              root / "model_repository")
     with running_server(repo, root, SERVE_TRITON_ARGS) as srv:
         yield srv

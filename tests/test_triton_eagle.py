@@ -73,7 +73,7 @@ def start_server(tmp_path_factory, placement: str):
         env.setenv(FAULT_FILE_ENV, str(fault))     # read by the server's engine
         srv.start()
     try:
-        srv.wait_ready(180)
+        srv.wait_ready(600)
     except BaseException:
         srv.stop()
         raise

@@ -99,7 +99,7 @@ def deployments(tmp_path_factory):
         for d in deps.values():
             d.server.start()
         for d in deps.values():
-            d.server.wait_ready(180)
+            d.server.wait_ready(600)
         yield deps
     finally:
         with ThreadPoolExecutor(len(deps)) as pool:  # shutdown unloads models: stop both at once
