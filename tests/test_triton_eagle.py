@@ -28,7 +28,7 @@ from specserve.triton.client import CompletionError, StreamClient
 from specserve.triton.launch import TritonServer
 from specserve.serving.settings import DeploymentSettings
 from specserve.triton.render import render_repository
-from streams import DrafterHold, during_streams, scrape_metrics
+from streams import DrafterHold, scrape_metrics
 from test_eagle import random_drafter
 
 pytestmark = pytest.mark.triton
@@ -186,7 +186,8 @@ def test_unloading_a_drafter_of_mtp_proposal_during_eight_streams_fails_nothing(
     drafter call (so the streams see every state, however fast they decode): every output equals
     plain decoding and the streams decoded steps without each drafter. Then ngram_drafter."""
     jobs = [(PROMPTS + [MTP_PROMPT])[i % 5] for i in range(8)]
-    want = {p: gen(server, p, "none", 200) for p in set(jobs)}
+    # 64 tokens are at least 13 steps (4 drafted + 1 per step): more than the 6 held steps below.
+    want = {p: gen(server, p, "none", 64) for p in set(jobs)}
     want_short = gen(server, PROMPTS[2], "none", 12).text
     models = {"mtp_heads": "mtp_heads", "draft_drafter": "draft", "eagle_backbone": "eagle"}
     steps = [("unload", m) for m in models] + [("load", m) for m in models]
@@ -209,7 +210,7 @@ def test_unloading_a_drafter_of_mtp_proposal_during_eight_streams_fails_nothing(
     hold.hold()
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = [pool.submit(lambda p: StreamClient(server.grpc_url).generate(
-            p, {"max_tokens": 200, "spec_method": "mtp"}, timeout=600), p) for p in jobs]
+            p, {"max_tokens": 64, "spec_method": "mtp"}, timeout=600), p) for p in jobs]
         try:
             for i, (action, model) in enumerate(steps):
                 hold.wait_held(futures)
@@ -264,11 +265,17 @@ def test_publish_a_new_drafter_version_during_streams(server, tmp_path):
     target = load_model(root / "ckpt")
     save_eagle(random_drafter(target, seed=9), json.loads((root / "ckpt" / "config.json").read_text()),
                tmp_path / "eagle_v2")
-    want = {p: gen(server, p, "none", 120) for p in PROMPTS}
+    want = {p: gen(server, p, "none", 48) for p in PROMPTS}
+    hold = DrafterHold(server.fault)
+    hold.hold()   # version 2 goes live while the streams are provably in flight
     with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(gen, server, p, "eagle", 120) for p in PROMPTS]
-        version = drafters.publish(root / "ckpt", tmp_path / "eagle_v2", root / "model_repository")
-        drafters.load(server.grpc_url, "eagle_proposal", server.admin_key)
+        futures = [pool.submit(gen, server, p, "eagle", 48) for p in PROMPTS]
+        try:
+            hold.wait_held(futures)
+            version = drafters.publish(root / "ckpt", tmp_path / "eagle_v2", root / "model_repository")
+            drafters.load(server.grpc_url, "eagle_proposal", server.admin_key)
+        finally:
+            hold.release()
         results = [f.result() for f in futures]
     assert version == 2
     for p, r in zip(PROMPTS, results):
@@ -279,13 +286,23 @@ def test_publish_a_new_drafter_version_during_streams(server, tmp_path):
     assert after.text == want[PROMPTS[1]].text[:len(after.text)] and after.spec_stats["draft_tokens"] > 0
 
 
-def _eight_streams_exact(server, fault, max_tokens=200):
-    """8 eagle streams, `fault()` once all are streaming; every output must equal plain decoding.
+def _eight_streams_exact(server, fault, max_tokens=64):
+    """8 eagle streams, `fault()` while the engine is held inside a drafter call for them (so they
+    are provably in flight, however fast they decode); every output must equal plain decoding.
     Returns the streams' total proposer errors."""
     want = {p: gen(server, p, "none", max_tokens) for p in PROMPTS}
     jobs = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
-    results, _ = during_streams(lambda p, on_chunk: StreamClient(server.grpc_url).generate(
-        p, {"max_tokens": max_tokens, "spec_method": "eagle"}, on_chunk=on_chunk, timeout=300), jobs, fault)
+    hold = DrafterHold(server.fault)
+    hold.hold()
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(lambda p: StreamClient(server.grpc_url).generate(
+            p, {"max_tokens": max_tokens, "spec_method": "eagle"}, timeout=600), p) for p in jobs]
+        try:
+            hold.wait_held(futures)
+            fault()
+        finally:
+            hold.release()
+        results = [f.result() for f in futures]
     for p, r in zip(jobs, results):
         assert (r.text, r.finish_reason) == (want[p].text, want[p].finish_reason)
     return sum(r.spec_stats["proposer_errors"] for r in results)
@@ -396,14 +413,18 @@ def test_seeded_streams_keep_their_text_when_the_drafter_is_unloaded(server):
     """8 seeded eagle streams; eagle_proposal is unloaded and loaded again while they run: the
     rows decode plainly meanwhile and every text is none's for its seed."""
     jobs = [(PROMPTS[i % 2], SEEDED[i % 3]) for i in range(8)]
-    want = {(p, s["seed"]): seeded(server, p, "none", s, 160).text for p, s in jobs}
-
-    def unload_and_reload():
-        drafters.unload(server.grpc_url, "eagle_proposal", server.admin_key)
-        drafters.load(server.grpc_url, "eagle_proposal", server.admin_key)
-
-    results, _ = during_streams(lambda j, on_chunk: seeded(server, j[0], "eagle", j[1], 160, on_chunk),
-                                jobs, unload_and_reload)
+    want = {(p, s["seed"]): seeded(server, p, "none", s, 64).text for p, s in jobs}
+    hold = DrafterHold(server.fault)
+    hold.hold()   # unloaded and loaded while the streams are provably in flight
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(seeded, server, p, "eagle", s, 64) for p, s in jobs]
+        try:
+            hold.wait_held(futures)
+            drafters.unload(server.grpc_url, "eagle_proposal", server.admin_key)
+            drafters.load(server.grpc_url, "eagle_proposal", server.admin_key)
+        finally:
+            hold.release()
+        results = [f.result() for f in futures]
     for (p, s), r in zip(jobs, results):
         assert r.text == want[(p, s["seed"])], (p, s)
 
