@@ -119,14 +119,14 @@ def test_cancelling_half_of_16_streams_frees_their_slots(server):
 
 def test_a_nan_temperature_request_beside_four_streams_fails_alone(server):
     prompts = [f"neighbour {i}" for i in range(4)]
-    want = {p: gen(server.grpc_url, p, {"max_tokens": 300}).text for p in prompts}
+    want = {p: gen(server.grpc_url, p, {"max_tokens": 128}).text for p in prompts}
 
     def bad_request():
         with pytest.raises(CompletionError, match=r"temperature must be a finite number >= 0, got nan"):
             StreamClient(server.grpc_url).generate("bad", '{"temperature": NaN, "max_tokens": 50}')
 
     results, _ = during_streams(lambda p, on_chunk: StreamClient(server.grpc_url).generate(
-        p, {"max_tokens": 300}, on_chunk=on_chunk), prompts, bad_request)   # once all four are streaming
+        p, {"max_tokens": 128}, on_chunk=on_chunk), prompts, bad_request)   # once all four are streaming
     got = [r.text for r in results]
     assert got == [want[p] for p in prompts]
 
