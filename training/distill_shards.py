@@ -26,13 +26,10 @@ class ShardStore:
         self._next = 1 + max((int(p.stem.split("-")[1]) for p in self._shards()), default=-1)
 
     def _shards(self) -> list[Path]:
-        return sorted(self.folder.glob("shard-*.jsonl"))
+        return shard_files(self.folder)
 
     def records(self) -> Iterator[dict]:
-        for path in self._shards():
-            with open(path) as f:
-                for line in f:
-                    yield json.loads(line)
+        return read_records(self.folder)
 
     def done_ids(self) -> set[str]:
         return {r["id"] for r in self.records()}
@@ -55,6 +52,19 @@ class ShardStore:
         os.replace(tmp, path)
         self._next += 1
         self._pending = []
+
+
+def shard_files(folder: Path) -> list[Path]:
+    return sorted(Path(folder).glob("shard-*.jsonl"))
+
+
+def read_records(folder: Path) -> Iterator[dict]:
+    """The records of the whole shards in `folder` (a `shards/` folder), in order. Read-only:
+    safe beside a run that is still writing (unlike opening a ShardStore, which clears *.tmp)."""
+    for path in shard_files(folder):
+        with open(path) as f:
+            for line in f:
+                yield json.loads(line)
 
 
 def write_atomic(path: Path, text: str) -> None:
