@@ -274,3 +274,17 @@ def test_remote_and_static_placements_refuse_an_eagle3_drafter(target_path, tmp_
     from specserve.methods.dspark.proposer import DSParkProposer
     with pytest.raises(ValueError, match="dspark runs EAGLE-1 drafters only"):
         DSParkProposer(drafter, target, max_num_seqs=1, max_model_len=64)
+
+
+def test_fused_mtp_refuses_an_eagle3_member(target_path):
+    from pathlib import Path
+    from specserve.methods.mtp import spec as mtp_spec
+    from specserve.methods.registry import BuildContext
+    target = load_model(target_path)
+    eagle = EagleProposer(random_eagle3(target, seed=6, draft_size=64), target, max_num_seqs=1, max_model_len=64)
+    ctx = BuildContext(model=target, checkpoint=Path(target_path), folder=None, drafters=(("eagle", "e3"),),
+                       built={"eagle": eagle}, max_num_seqs=1, max_model_len=64, max_draft_len=2,
+                       spec_threshold=None, drafter_dtype=torch.float32, block_size=None, placement="fused",
+                       remote=None, remote_timeout_s=1.0)
+    with pytest.raises(ValueError, match="mtp cannot run member\\(s\\) eagle: they read target layers"):
+        mtp_spec.build(ctx)
