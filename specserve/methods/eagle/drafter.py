@@ -9,7 +9,8 @@ hidden state at token t_i, a "pair" i is (f_i, t_{i+1}):
 
 The CALIBRATION HEAD reads, per drafted position, the draft hidden state, the drafter's top-1
 probability, its entropy and the position, and predicts the probability that the target accepts
-that token given the earlier ones were accepted (the proposer, proposer.py, cuts drafts with it).
+that token given the earlier ones were accepted (the proposer, proposer.py, cuts drafts with it);
+it lives in calibration.py, shared with the EAGLE-3 drafter.
 
 Checkpoints use the published EAGLE-1 layout (`fc.weight`, `fc.bias`, `layers.0.*`, a Llama-style
 config.json); layer 0 has no input norm, as in EAGLE-1. Our own files add `calibration.*`.
@@ -23,39 +24,14 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specserve.core.forward import ForwardBatch
 from specserve.core.kv_cache import KVCache
 from specserve.model.rope import RotaryEmbedding
 from specserve.model.transformer import CheckpointError, DecoderLayer, ModelConfig, Transformer, fuse_projections
-
-CALIBRATION_POSITIONS = 8  # the position feature is j / CALIBRATION_POSITIONS
-
-
-class CalibrationHead(nn.Module):
-    """Per drafted position: P(target accepts it | the earlier draft tokens were accepted)."""
-
-    def __init__(self, hidden_size: int, width: int = 64):
-        super().__init__()
-        self.proj = nn.Linear(hidden_size, width)
-        self.scalars = nn.Linear(3, width)
-        self.out = nn.Linear(width, 1)
-
-    @staticmethod
-    def scalar_features(logits: torch.Tensor, position: int) -> torch.Tensor:
-        """logits [B, V] of the drafter at draft position `position` → [B, 3]."""
-        logp = logits.float().log_softmax(-1)
-        p = logp.exp()
-        top1 = p.max(-1).values
-        entropy = -(p * logp).sum(-1)
-        pos = torch.full_like(top1, position / CALIBRATION_POSITIONS)
-        return torch.stack([top1, entropy, pos], dim=-1)
-
-    def forward(self, hidden: torch.Tensor, scalars: torch.Tensor) -> torch.Tensor:
-        # hidden [B, D], scalars [B, 3] → acceptance logit [B] (sigmoid gives the probability)
-        return self.out(F.silu(self.proj(hidden.float()) + self.scalars(scalars))).squeeze(-1)
+from specserve.methods.eagle.calibration import CALIBRATION_POSITIONS, CalibrationHead  # noqa: F401 — re-exported
+from specserve.methods.eagle.eagle3 import Eagle3Drafter, build_eagle3, eagle3_config_fields
 
 
 class EagleDrafter(nn.Module):
@@ -117,7 +93,7 @@ def is_eagle3_state(state: dict) -> bool:
     return any(k.startswith(("midlayer.", "model.midlayer.")) for k in state)
 
 
-def load_eagle(path: str | Path, target: Transformer, dtype: torch.dtype | None = None):
+def load_eagle(path: str | Path, target: Transformer, dtype: torch.dtype | None = None) -> "EagleDrafter | Eagle3Drafter":
     """Load an EAGLE drafter (safetensors or pytorch_model.bin) for `target`, computing in
     `dtype` (default: the target's): the EAGLE-1 layout (EagleDrafter) or, when its weights
     carry `midlayer.*`, the EAGLE-3 layout (eagle3.Eagle3Drafter). The drafter's precision never
@@ -131,8 +107,6 @@ def load_eagle(path: str | Path, target: Transformer, dtype: torch.dtype | None 
     cfg = _eagle_config(target.cfg, raw)
     state = fuse_projections(_read_state(path))
     if is_eagle3_state(state):
-        from specserve.methods.eagle.eagle3 import build_eagle3
-
         try:
             drafter = build_eagle3(cfg, raw, target.cfg, state)
         except CheckpointError as e:
@@ -151,7 +125,7 @@ def load_eagle(path: str | Path, target: Transformer, dtype: torch.dtype | None 
     return drafter.eval().requires_grad_(False)
 
 
-def save_eagle(drafter, target_config: dict, path: str | Path) -> None:
+def save_eagle(drafter: "EagleDrafter | Eagle3Drafter", target_config: dict, path: str | Path) -> None:
     """Write the drafter in its public layout (separate q/k/v, gate/up) plus calibration.*: the
     EAGLE-1 one for an EagleDrafter, the EAGLE-3 one (with d2t, t2d) for an Eagle3Drafter."""
     from safetensors.torch import save_file
@@ -180,8 +154,6 @@ def save_eagle(drafter, target_config: dict, path: str | Path) -> None:
     save_file(state, str(path / "model.safetensors"))
     cfg = {**target_config, "num_hidden_layers": 1, "architectures": ["EagleDrafter"],
            "specserve_drafter": "eagle"}
-    if not isinstance(drafter, EagleDrafter):
-        from specserve.methods.eagle.eagle3 import eagle3_config_fields
-
+    if isinstance(drafter, Eagle3Drafter):
         cfg = {**cfg, **eagle3_config_fields(drafter), "specserve_drafter": "eagle3"}
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

@@ -36,7 +36,7 @@ from specserve.core.forward import ForwardBatch
 from specserve.core.kv_cache import KVCache
 from specserve.model.rope import RotaryEmbedding
 from specserve.model.transformer import MLP, Attention, CheckpointError, ModelConfig, RMSNorm
-from specserve.methods.eagle.drafter import CalibrationHead
+from specserve.methods.eagle.calibration import CalibrationHead
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"   # what public EAGLE-3 checkpoints name themselves
 
