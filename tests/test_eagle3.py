@@ -69,6 +69,15 @@ def test_greedy_eagle3_with_a_reduced_vocabulary_equals_plain_decoding(target_pa
     for i in range(len(PROMPTS)):
         assert spec[f"eagle{i}"].new_token_ids == plain[f"none{i}"].new_token_ids
     assert sum(o.stats.draft_tokens for o in spec.values()) > 0
+    # The calibration head's scalars come from the draft vocabulary's logits: finite, where the
+    # target-vocabulary view (-inf outside) would give a NaN entropy.
+    from specserve.methods.eagle.calibration import CalibrationHead
+    prop = engine.proposers["eagle"]
+    h = torch.randn(3, target.cfg.hidden_size)
+    logits, logits_d = prop._logits(h)
+    assert logits.shape[-1] == target.cfg.vocab_size and logits_d.shape[-1] == 128
+    assert bool(torch.isfinite(prop._calibrate(h, logits_d, 0)).all())
+    assert bool(torch.isnan(CalibrationHead.scalar_features(logits, 0)).any())
     ids = set(drafter.target_ids().tolist())
     drafted = EagleProposer(drafter, target, max_num_seqs=1, max_model_len=64, max_draft_len=4)
     eng = Engine(target, EngineConfig(max_num_seqs=1, max_model_len=64, max_draft_len=4), {"eagle": drafted},
@@ -271,6 +280,13 @@ def test_remote_and_static_placements_refuse_an_eagle3_drafter(target_path, tmp_
     drafter = random_eagle3(target, seed=5, draft_size=64)
     with pytest.raises(ValueError, match="EAGLE-3 drafters cannot be exported to ONNX yet"):
         export(target, drafter, tmp_path / "onnx")
+    # The renderer's remote placement (eagle_proposal) goes through that export, before writing anything.
+    from pathlib import Path
+    from specserve.triton.render import render_eagle_proposal
+    save_eagle(drafter, json.loads(open(f"{target_path}/config.json").read()), tmp_path / "e3")
+    with pytest.raises(ValueError, match="EAGLE-3 drafters cannot be exported to ONNX yet.*Serve it fused"):
+        render_eagle_proposal(Path(target_path), tmp_path / "e3", tmp_path / "repo", version=1)
+    assert not (tmp_path / "repo" / "eagle_backbone").exists()
     from specserve.methods.dspark.proposer import DSParkProposer
     with pytest.raises(ValueError, match="dspark runs EAGLE-1 drafters only"):
         DSParkProposer(drafter, target, max_num_seqs=1, max_model_len=64)
