@@ -80,6 +80,10 @@ class DSParkProposer(ProposerDefaults):
         """span_set: static_step.SPAN_SETS; None = "full" on CUDA (one graph per bucket and K, all
         captured by `warm`), "pow2" on a CPU (measured 2.4x faster there for short contexts)."""
         check_static_model(target)
+        if not isinstance(drafter, EagleDrafter):
+            raise ValueError("dspark runs EAGLE-1 drafters only: its static step drafts with the target's "
+                             "LM head from one final hidden state per token, not an EAGLE-3 drafter's fused "
+                             "layers and reduced vocabulary; serve that drafter with method eagle")
         self.target, self.drafter = target, drafter
         if span_set is None:
             span_set = "full" if target.device.type == "cuda" else "pow2"

@@ -9,10 +9,13 @@ hidden state at token t_i, a "pair" i is (f_i, t_{i+1}):
 
 The CALIBRATION HEAD reads, per drafted position, the draft hidden state, the drafter's top-1
 probability, its entropy and the position, and predicts the probability that the target accepts
-that token given the earlier ones were accepted (the proposer, proposer.py, cuts drafts with it).
+that token given the earlier ones were accepted (the proposer, proposer.py, cuts drafts with it);
+it lives in calibration.py, shared with the EAGLE-3 drafter.
 
 Checkpoints use the published EAGLE-1 layout (`fc.weight`, `fc.bias`, `layers.0.*`, a Llama-style
 config.json); layer 0 has no input norm, as in EAGLE-1. Our own files add `calibration.*`.
+The EAGLE-3 variant (fused target layers, its own reduced-vocabulary LM head) is eagle3.py;
+load_eagle loads either layout.
 """
 
 from __future__ import annotations
@@ -21,42 +24,19 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specserve.core.forward import ForwardBatch
 from specserve.core.kv_cache import KVCache
 from specserve.model.rope import RotaryEmbedding
 from specserve.model.transformer import CheckpointError, DecoderLayer, ModelConfig, Transformer, fuse_projections
-
-CALIBRATION_POSITIONS = 8  # the position feature is j / CALIBRATION_POSITIONS
-
-
-class CalibrationHead(nn.Module):
-    """Per drafted position: P(target accepts it | the earlier draft tokens were accepted)."""
-
-    def __init__(self, hidden_size: int, width: int = 64):
-        super().__init__()
-        self.proj = nn.Linear(hidden_size, width)
-        self.scalars = nn.Linear(3, width)
-        self.out = nn.Linear(width, 1)
-
-    @staticmethod
-    def scalar_features(logits: torch.Tensor, position: int) -> torch.Tensor:
-        """logits [B, V] of the drafter at draft position `position` → [B, 3]."""
-        logp = logits.float().log_softmax(-1)
-        p = logp.exp()
-        top1 = p.max(-1).values
-        entropy = -(p * logp).sum(-1)
-        pos = torch.full_like(top1, position / CALIBRATION_POSITIONS)
-        return torch.stack([top1, entropy, pos], dim=-1)
-
-    def forward(self, hidden: torch.Tensor, scalars: torch.Tensor) -> torch.Tensor:
-        # hidden [B, D], scalars [B, 3] → acceptance logit [B] (sigmoid gives the probability)
-        return self.out(F.silu(self.proj(hidden.float()) + self.scalars(scalars))).squeeze(-1)
+from specserve.methods.eagle.calibration import CALIBRATION_POSITIONS, CalibrationHead  # noqa: F401 — re-exported
+from specserve.methods.eagle.eagle3 import Eagle3Drafter, build_eagle3, eagle3_config_fields
 
 
 class EagleDrafter(nn.Module):
+    feature_layers: tuple[int, ...] = ()   # EAGLE-1 reads the final hidden state only
+
     def __init__(self, cfg: ModelConfig, *, calibration: bool = True):
         super().__init__()
         if cfg.num_layers != 1:
@@ -68,6 +48,9 @@ class EagleDrafter(nn.Module):
         self.layers[0].input_layernorm = nn.Identity()  # EAGLE-1: layer 0 has no input norm
         self.rotary = RotaryEmbedding(cfg.rope)
         self.calibration = CalibrationHead(D) if calibration else None
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        return features  # [B, T, D]: true features enter a pair as they are (EAGLE-3 fuses them)
 
     def forward(self, features: torch.Tensor, next_embeds: torch.Tensor, batch: ForwardBatch,
                 cache: KVCache | None) -> torch.Tensor:
@@ -93,45 +76,58 @@ def _eagle_config(target_cfg: ModelConfig, raw: dict) -> ModelConfig:
     return cfg
 
 
-def load_eagle(path: str | Path, target: Transformer, dtype: torch.dtype | None = None) -> EagleDrafter:
-    """Load an EAGLE-1-layout drafter (safetensors or pytorch_model.bin) for `target`, computing
-    in `dtype` (default: the target's). The drafter's precision never affects what is emitted
-    (the target verifies every token), only how often its drafts are accepted."""
+def _read_state(path: Path) -> dict[str, torch.Tensor]:
+    st, bin_ = path / "model.safetensors", path / "pytorch_model.bin"
+    try:
+        if st.is_file():
+            from safetensors.torch import load_file
+            return load_file(str(st))
+        if bin_.is_file():
+            return torch.load(str(bin_), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 — any unreadable file is a checkpoint error here
+        raise CheckpointError(f"cannot read EAGLE weights in {path}: {e}") from None
+    raise CheckpointError(f"EAGLE drafter {path} has neither model.safetensors nor pytorch_model.bin")
+
+
+def is_eagle3_state(state: dict) -> bool:
+    return any(k.startswith(("midlayer.", "model.midlayer.")) for k in state)
+
+
+def load_eagle(path: str | Path, target: Transformer, dtype: torch.dtype | None = None) -> "EagleDrafter | Eagle3Drafter":
+    """Load an EAGLE drafter (safetensors or pytorch_model.bin) for `target`, computing in
+    `dtype` (default: the target's): the EAGLE-1 layout (EagleDrafter) or, when its weights
+    carry `midlayer.*`, the EAGLE-3 layout (eagle3.Eagle3Drafter). The drafter's precision never
+    affects what is emitted (the target verifies every token), only how often its drafts are
+    accepted."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"EAGLE drafter {path} has no config.json")
     raw = json.loads(cfg_file.read_text())
     cfg = _eagle_config(target.cfg, raw)
-    st, bin_ = path / "model.safetensors", path / "pytorch_model.bin"
-    try:
-        if st.is_file():
-            from safetensors.torch import load_file
-            state = load_file(str(st))
-        elif bin_.is_file():
-            state = torch.load(str(bin_), map_location="cpu", weights_only=True)
-        else:
-            raise CheckpointError(f"EAGLE drafter {path} has neither model.safetensors nor pytorch_model.bin")
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 — any unreadable file is a checkpoint error here
-        raise CheckpointError(f"cannot read EAGLE weights in {path}: {e}") from None
-    state = fuse_projections(state)
-    state.pop("embed_tokens.weight", None)  # some EAGLE-1 files carry a copy; ours is the target's
-    state.pop("layers.0.input_layernorm.weight", None)
-    has_calib = any(k.startswith("calibration.") for k in state)
-    drafter = EagleDrafter(cfg, calibration=has_calib)
-    missing, unexpected = drafter.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise CheckpointError(f"EAGLE drafter {path}: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    state = fuse_projections(_read_state(path))
+    if is_eagle3_state(state):
+        try:
+            drafter = build_eagle3(cfg, raw, target.cfg, state)
+        except CheckpointError as e:
+            raise CheckpointError(f"EAGLE drafter {path}: {e}") from None
+    else:
+        state.pop("embed_tokens.weight", None)  # some EAGLE-1 files carry a copy; ours is the target's
+        state.pop("layers.0.input_layernorm.weight", None)
+        has_calib = any(k.startswith("calibration.") for k in state)
+        drafter = EagleDrafter(cfg, calibration=has_calib)
+        missing, unexpected = drafter.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise CheckpointError(f"EAGLE drafter {path}: missing {missing[:4]}, unexpected {unexpected[:4]}")
     drafter = drafter.to(device=target.device, dtype=dtype or target.dtype)
     if drafter.calibration is not None:
         drafter.calibration.float()  # tiny, and it computes in fp32 (its inputs are upcast)
     return drafter.eval().requires_grad_(False)
 
 
-def save_eagle(drafter: EagleDrafter, target_config: dict, path: str | Path) -> None:
-    """Write the drafter in the EAGLE-1 layout (separate q/k/v, gate/up) plus calibration.*."""
+def save_eagle(drafter: "EagleDrafter | Eagle3Drafter", target_config: dict, path: str | Path) -> None:
+    """Write the drafter in its public layout (separate q/k/v, gate/up) plus calibration.*: the
+    EAGLE-1 one for an EagleDrafter, the EAGLE-3 one (with d2t, t2d) for an Eagle3Drafter."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -139,7 +135,9 @@ def save_eagle(drafter: EagleDrafter, target_config: dict, path: str | Path) -> 
     c = drafter.cfg
     state = {}
     for k, v in drafter.state_dict().items():
-        v = v.detach().to(torch.float32).contiguous()
+        v = v.detach().contiguous()
+        if v.is_floating_point():
+            v = v.to(torch.float32)   # d2t (int64) and t2d (bool) keep their dtypes
         if k.endswith("qkv_proj.weight") or k.endswith("qkv_proj.bias"):
             kind = k.rsplit(".", 1)[1]
             prefix = k[: -len(f"qkv_proj.{kind}")]
@@ -156,4 +154,6 @@ def save_eagle(drafter: EagleDrafter, target_config: dict, path: str | Path) -> 
     save_file(state, str(path / "model.safetensors"))
     cfg = {**target_config, "num_hidden_layers": 1, "architectures": ["EagleDrafter"],
            "specserve_drafter": "eagle"}
+    if isinstance(drafter, Eagle3Drafter):
+        cfg = {**cfg, **eagle3_config_fields(drafter), "specserve_drafter": "eagle3"}
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

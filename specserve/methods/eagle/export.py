@@ -93,6 +93,13 @@ def example_inputs(drafter: EagleDrafter, vocab: int, B: int = 2, T: int = 3, P:
 
 
 def export(target: Transformer, drafter: EagleDrafter, out: Path, tol: float = 1e-4) -> ExportReport:
+    if not isinstance(drafter, EagleDrafter):
+        raise ValueError(
+            "EAGLE-3 drafters cannot be exported to ONNX yet, so they have no remote placement: the "
+            "eagle_backbone step and its BLS schema carry one final hidden state per token [B, T, D] and "
+            "use the target's LM head, while an EAGLE-3 drafter needs the fused target layers "
+            "[B, T, (1 + L) D] on ingest, its own hidden state when drafting, and its reduced-vocabulary "
+            "LM head with d2t. Serve it fused (placement: fused).")
     import onnx
     import onnxruntime as ort
 

@@ -9,6 +9,11 @@ drafter's valid length only ever counts pairs built from true features.
 
 Drafting stops before the token at which the calibration head's predicted cumulative acceptance
 would fall below `threshold`, so the draft length adapts.
+
+An EAGLE-3 drafter (eagle3.py) runs the same loop: it names the target layers it reads
+(`feature_layers`, so the engine hands over [n, (1 + L) D] per token), fuses the TRUE features
+once on ingest (`fuse`), and drafts from its own LM head over a reduced vocabulary, mapped back to
+target ids (`to_target`: -inf outside, so q is zero there and normalised over the draft ids).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from specserve.core.masks import build_mask
 from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, StepOutcome
 from specserve.core.sampling import seeded_tokens, target_probs
 from specserve.methods.eagle.drafter import CalibrationHead, EagleDrafter
+from specserve.methods.eagle.eagle3 import Eagle3Drafter
 from specserve.model.transformer import Transformer
 
 
@@ -38,7 +44,7 @@ class EagleProposer(ProposerDefaults):
     name = "eagle"
     needs_features = True
 
-    def __init__(self, drafter: EagleDrafter, target: Transformer, *, max_num_seqs: int,
+    def __init__(self, drafter: EagleDrafter | Eagle3Drafter, target: Transformer, *, max_num_seqs: int,
                  max_model_len: int, max_draft_len: int = 8, threshold: float | None = 0.3,
                  name: str = "eagle"):
         """threshold: stop drafting when the predicted cumulative acceptance falls below it
@@ -49,12 +55,17 @@ class EagleProposer(ProposerDefaults):
         self.threshold = threshold  # threshold_for() ignores it for a drafter without a calibration head
         self.cache = drafter.new_cache(max_num_seqs, max_model_len + max_draft_len + 1)
         self._seqs: dict[int, _SeqState] = {}
-        # The drafter reuses the target's embedding and LM head; a drafter computing in another
-        # dtype (bf16 drafting for an fp32 target) gets its own cast copy of the two.
+        self.feature_layers = drafter.feature_layers   # the engine keeps these layers' streams for it
+        # EAGLE-1 reuses the target's embedding and LM head, EAGLE-3 only its embedding; a drafter
+        # computing in another dtype (bf16 drafting for an fp32 target) gets its own cast copies.
         self.dtype = drafter.fc.weight.dtype
         same = self.dtype == target.dtype
         self._embed_w = target.embed_tokens.weight if same else target.embed_tokens.weight.to(self.dtype)
-        self._head_w = target.lm_head.weight if same else target.lm_head.weight.to(self.dtype)
+        self._own_head = isinstance(drafter, Eagle3Drafter)
+        self._head_w = None if self._own_head else \
+            target.lm_head.weight if same else target.lm_head.weight.to(self.dtype)
+        D = drafter.cfg.hidden_size
+        self._feature_width = D * (1 + len(self.feature_layers))  # what the engine sends per token
 
     # Ingest the true features of newly committed tokens (DSPark calls it for its rows' prompts);
     # returns the last f̂ per row [B, D].
@@ -71,6 +82,10 @@ class EagleProposer(ProposerDefaults):
             if n == 0 or st.valid + n != committed:
                 raise ProposerError(f"sequence {r.seq_id}: drafter holds {st.valid} pairs, got {n} new "
                                     f"features for {committed} committed tokens; cannot re-prime")
+            if r.features.shape[-1] != self._feature_width:
+                raise ProposerError(f"sequence {r.seq_id}: the drafter reads {self._feature_width} features a "
+                                    f"token (target layers {list(self.feature_layers)}), got "
+                                    f"{r.features.shape[-1]}")
             rows.append(st)
             starts.append(st.valid)
             counts.append(n)
@@ -87,15 +102,14 @@ class EagleProposer(ProposerDefaults):
 
     def _ingest_rows(self, requests, rows, starts, counts) -> torch.Tensor:
         T, B = max(counts), len(requests)
-        D = self.drafter.cfg.hidden_size
-        feats = torch.zeros(B, T, D, dtype=self.dtype, device=self.target.device)
+        feats = torch.zeros(B, T, self._feature_width, dtype=self.dtype, device=self.target.device)
         nxt = torch.zeros(B, T, dtype=torch.long)
         for b, (r, n) in enumerate(zip(requests, counts)):
             feats[b, :n] = r.features
             committed = len(r.token_ids) - 1
             nxt[b, :n] = torch.tensor(r.token_ids[committed - n + 1: committed + 1])  # t_{i+1}
         parents = [list(range(-1, n - 1)) for n in counts]
-        hidden = self._run(feats, nxt, [st.slot for st in rows], starts, parents, T)
+        hidden = self._run(self.drafter.fuse(feats), nxt, [st.slot for st in rows], starts, parents, T)
         for st, n in zip(rows, counts):
             st.valid += n
             self.cache.truncate(st.slot, st.valid)
@@ -129,8 +143,8 @@ class EagleProposer(ProposerDefaults):
         for j in range(max(limits, default=0)):
             if not any(active):
                 break
-            logits = F.linear(h, self._head_w).float()  # [B, V], the target's LM head
-            p_accept = self._calibrate(h, logits, j) if calibrate else None
+            logits, logits_d = self._logits(h)  # [B, V] over target ids; [B, Vd] the drafter's own
+            p_accept = self._calibrate(h, logits_d, j) if calibrate else None
             picked = []
             for b, r in enumerate(requests):
                 if not active[b]:
@@ -166,12 +180,23 @@ class EagleProposer(ProposerDefaults):
         return [Draft.chain(t, torch.stack(p) if p else None, lp if len(lp) == len(t) else None)
                 for t, p, lp in zip(tokens, probs, logps)]
 
+    def _logits(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [B, D] → (logits over the target vocabulary [B, V], over the drafter's own [B, Vd])."""
+        if not self._own_head:
+            logits = F.linear(h, self._head_w).float()  # the target's LM head: the two are one
+            return logits, logits
+        logits_d = self.drafter.draft_logits(h)
+        return self.drafter.to_target(logits_d), logits_d
+
     def threshold_for(self, r: DraftRequest) -> float | None:
         if self.drafter.calibration is None:
             return None
         return self.threshold if r.threshold is None else r.threshold
 
     def _calibrate(self, h: torch.Tensor, logits: torch.Tensor, j: int) -> torch.Tensor:
+        # logits [B, Vd]: with a reduced vocabulary the top-1 probability and entropy are the
+        # drafter's own, over the draft ids (the target-vocabulary view adds only -inf entries,
+        # whose 0 · log 0 terms would be NaN).
         scalars = CalibrationHead.scalar_features(logits, j)
         return torch.sigmoid(self.drafter.calibration(h, scalars))  # [B]
 

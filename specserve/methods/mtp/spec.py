@@ -33,6 +33,11 @@ def build(ctx: BuildContext):
     from specserve.methods.mtp.proposer import MultiDraftProposer
 
     subs = [ctx.built[m.name] for m in SPEC.members if m.drafter != SPEC.name and m.name in ctx.built]
+    # Members get the final hidden state only (MultiDraftProposer forwards one feature width).
+    wide = [p.name for p in subs if p.feature_layers]
+    if wide:
+        raise ValueError(f"mtp cannot run member(s) {', '.join(wide)}: they read target layers besides the "
+                         "final hidden state (an EAGLE-3 drafter), which mtp does not forward to its members")
     if ctx.folder:
         subs.append(_heads(ctx))
     return MultiDraftProposer(subs, max_draft_len=ctx.max_draft_len, vocab_size=ctx.model.cfg.vocab_size)

@@ -1,0 +1,113 @@
+"""training/train_eagle3.py: the unrolled training forward is what drafting computes, and the
+script runs end to end on a tiny target, is deterministic, resumes exactly and writes the public
+EAGLE-3 layout with its draft vocabulary."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from conftest import make_tiny_checkpoint
+from specserve.core.forward import ForwardBatch
+from specserve.core.masks import build_mask, chain_parents
+from specserve.model.tiny import CORPUS, train_tiny_tokenizer
+from specserve.model.transformer import load_model
+from specserve.methods.eagle.drafter import load_eagle
+from specserve.methods.eagle.eagle3 import Eagle3Drafter, draft_vocab
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
+import train_eagle3  # noqa: E402
+
+
+def test_the_unrolled_steps_see_what_drafting_k_tokens_ahead_sees(tmp_path):
+    """Step k of training-time test at pair i equals the drafter run as the proposer runs it:
+    the true pairs 0..i in its cache, then k speculative pairs of its own hidden states (with the
+    window's next tokens), each at the next position."""
+    target = load_model(make_tiny_checkpoint(tmp_path / "t", "llama", seed=3, num_hidden_layers=4))
+    torch.manual_seed(0)
+    cfg = target.cfg.__class__(**{**target.cfg.__dict__, "num_layers": 1})
+    d = Eagle3Drafter(cfg, (0, 1, 3), 64)
+    d.set_vocab(*draft_vocab(torch.arange(cfg.vocab_size), 64))
+    with torch.no_grad():
+        for p in d.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.1)
+    tokens = torch.randint(0, cfg.vocab_size, (1, 12))
+    K, n = 3, 12 - 1 - 2
+    with torch.no_grad():
+        out = target.forward(train_eagle3.e1.causal_batch(tokens), None, hidden_layers=(0, 1, 3))
+        feats = torch.cat([out.hidden] + [out.layer_hidden[i] for i in (0, 1, 3)], -1)
+        emb = target.embed_tokens(tokens)
+        kv, h, unrolled = train_eagle3._UnrollKV(), d.fuse(feats[:, :n]), []
+        zero = torch.zeros(1, dtype=torch.long)
+        for k in range(K):
+            b = ForwardBatch(tokens[:, 1 + k:1 + k + n], (torch.arange(n) + k)[None], zero, zero,
+                             train_eagle3.unroll_mask(1, n, k))
+            h = d(h, emb[:, 1 + k:1 + k + n], b, kv)
+            unrolled.append(h)
+        for i in (0, 4, n - 1):
+            cache = d.new_cache(1, 64)
+            slot = cache.allocate()
+            m, p = build_mask([0], [chain_parents(i + 1)], i + 1)
+            hh = d(d.fuse(feats[:, :i + 1]), emb[:, 1:i + 2],
+                   ForwardBatch(tokens[:, 1:i + 2], p, torch.tensor([slot]), zero, m), cache)[:, -1:]
+            torch.testing.assert_close(hh, unrolled[0][:, i:i + 1], rtol=1e-5, atol=1e-6)
+            for k in range(1, K):
+                start = i + k   # the speculative pair's index and position
+                m, p = build_mask([start], [[-1]], 1)
+                hh = d(hh, emb[:, i + k + 1:i + k + 2],
+                       ForwardBatch(tokens[:, i + k + 1:i + k + 2], p, torch.tensor([slot]), torch.tensor([start]), m),
+                       cache)
+                torch.testing.assert_close(hh, unrolled[k][:, i:i + 1], rtol=1e-5, atol=1e-6, msg=f"i={i} k={k}")
+
+
+def run(target, text, out, work, steps, *extra):
+    train_eagle3.main(["--target", str(target), "--out", str(out), "--text-file", str(text),
+                       "--heldout-file", str(text), "--work-dir", str(work), "--steps", str(steps),
+                       "--seq-len", "32", "--batch", "2", "--self-prompts", "2", "--self-new-tokens", "8",
+                       "--calib-prompts", "4", "--calib-new-tokens", "8", "--calib-epochs", "2",
+                       "--calib-serving-prompts", "4", "--calib-prompts-file", str(text), "--ckpt-every", "3",
+                       "--draft-vocab", "96", "--ttt-steps", "3", "--target-layers", "1", "2", "4", *extra])
+
+
+def test_train_eagle3_is_deterministic_resumes_and_saves_its_vocabulary(tmp_path):
+    target = Path(make_tiny_checkpoint(tmp_path / "target", "llama", vocab_size=400, seed=3, num_hidden_layers=4))
+    train_tiny_tokenizer(target, 400)
+    text = tmp_path / "text.txt"
+    text.write_text(("\n".join(CORPUS) + "\n") * 20)
+
+    run(target, text, tmp_path / "straight", tmp_path / "w1", 6)
+    run(target, text, tmp_path / "resumed", tmp_path / "w2", 6, "--stop-at", "3")
+    assert not (tmp_path / "resumed").exists()   # interrupted runs write no drafter
+    run(target, text, tmp_path / "resumed", tmp_path / "w2", 6)   # resumes at step 3
+
+    model = load_model(target)
+    a, b = load_eagle(tmp_path / "straight", model), load_eagle(tmp_path / "resumed", model)
+    assert isinstance(a, Eagle3Drafter) and a.feature_layers == (0, 1, 3) and a.draft_vocab_size == 96
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and any(k.startswith("calibration.") for k in sa)
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k], rtol=0, atol=1e-6, msg=k)
+    # The draft vocabulary is the data's 96 most frequent tokens (the saved one is the work dir's).
+    vocab = torch.load(tmp_path / "w1" / "draft_vocab.pt", weights_only=True)
+    assert torch.equal(a.d2t, vocab["d2t"]) and torch.equal(a.t2d, vocab["t2d"])
+    raw = json.loads((tmp_path / "straight" / "config.json").read_text())
+    assert raw["draft_vocab_size"] == 96 and raw["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
+    summary = json.loads((tmp_path / "straight" / "training.json").read_text())
+    assert summary["ttt_steps"] == 3 and len(summary["final_teacher_forced_top1_per_step"]) == 3
+    assert 0 < summary["draft_vocab_coverage"] <= 1 and summary["calibration"]["heldout"]["examples"] > 0
+    log = [json.loads(r) for r in (tmp_path / "straight" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, 7)) and all(len(r["top1"]) == 3 for r in log)
+
+
+def test_distill_shards_are_read_as_prompt_plus_response(tmp_path):
+    shards = tmp_path / "d" / "shards"
+    shards.mkdir(parents=True)
+    (shards / "shard-00000.jsonl").write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": [3]}) + "\n"
+                                              + json.dumps({"prompt_ids": [4], "response_ids": [5, 6]}) + "\n")
+    (shards / "shard-00001.jsonl.tmp").write_text("partial")   # a generator mid-write: left alone
+    assert train_eagle3.distill_sequences(tmp_path / "d") == [[1, 2, 3], [4, 5, 6]]
+    assert (shards / "shard-00001.jsonl.tmp").exists()

@@ -1,0 +1,317 @@
+"""Train an EAGLE-3-style drafter (specserve/methods/eagle/eagle3.py) and its calibration head for
+any supported target, from the target itself.
+
+Its own script, not a flag of train_eagle.py, because nothing of the backbone step is shared:
+EAGLE-1 regresses the target's next feature and reuses the target's LM head; EAGLE-3 has no
+feature loss, predicts tokens over its own reduced vocabulary, and unrolls itself. The data, the
+calibration head and its report are train_eagle's (imported from it).
+
+  data      corpus windows and the target's own continuations, as train_eagle (--text-file or the
+            demo corpus), or the self-distillation shards of training/distill_data.py
+            (--distill-dir: prompt + response of each item, read only);
+  vocab     the --draft-vocab most frequent tokens of that data → d2t (draft id → target id
+            offsets) and t2d (mask over the target vocabulary), fixed before step 0, saved in the
+            work dir (a resumed run reads it back) and in the drafter;
+  backbone  training-time test: for each window, step 0 reads the fused TRUE target layers
+            (pair i = (fc[a_i, b_i, c_i], t_{i+1})); step k > 0 feeds the drafter's own
+            step-(k-1) hidden state back (pair i+k = (ĥ, t_{i+k+1}) at position i+k), attending
+            to the true pairs up to i and to its own earlier steps at i, as when it drafts k
+            tokens ahead. Each step's loss is the cross-entropy against the target's next-token
+            distribution restricted to the draft vocabulary (positions whose target argmax lies
+            outside it are left out, since the drafter cannot propose it), weighted 0.8^k;
+  calibration  as train_eagle: real drafting through the engine, then a small head fit with BCE;
+            its scalars (top-1 probability, entropy) are over the draft vocabulary.
+
+Deterministic (--seed), resumable (checkpoints in --work-dir every --ckpt-every steps), with
+progress bars. Example:
+
+    python training/train_eagle3.py --target models/demo/target --out models/demo/eagle3 \
+        --steps 600 --seq-len 256 --batch 8 --draft-vocab 4096 --ttt-steps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from specserve.core.forward import ForwardBatch
+from specserve.model.transformer import Transformer, load_model
+from specserve.methods.eagle.drafter import save_eagle
+from specserve.methods.eagle.eagle3 import Eagle3Drafter, default_aux_layer_ids, draft_vocab, engine_layers
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "training"))
+import train_eagle as e1  # noqa: E402 — the data, calibration and report helpers
+from run_checkpoint import resume, save  # noqa: E402
+
+TTT_DECAY = 0.8   # weight of unrolled step k: 0.8^k (later steps are harder and matter less)
+
+
+# -- data ----------------------------------------------------------------------------------------
+
+def distill_sequences(folder: Path) -> list[list[int]]:
+    """prompt + response ids of every finished item of a distill_data.py output folder. Reads the
+    shard files directly: the generator may still be appending to that folder."""
+    seqs = []
+    for shard in sorted((folder / "shards").glob("shard-*.jsonl")):
+        for line in shard.read_text().splitlines():
+            item = json.loads(line)
+            seqs.append(list(item["prompt_ids"]) + list(item["response_ids"]))
+    if not seqs:
+        raise SystemExit(f"{folder}: no finished shards")
+    return seqs
+
+
+def token_counts(seqs: list[list[int]], vocab_size: int) -> torch.Tensor:
+    c = Counter(t for s in seqs for t in s)
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for t, n in c.items():
+        counts[t] = n
+    return counts  # [V]
+
+
+# -- backbone training -----------------------------------------------------------------------------
+
+class _UnrollKV:
+    """The drafter's keys and values across unrolled steps, kept with their gradients: step k
+    appends its T entries after steps 0..k-1 (a stand-in for KVCache during training)."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def write(self, layer, slots, starts, k, v):
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+
+    def read(self, layer, slots, span):
+        return self.k, self.v
+
+
+def unroll_mask(B: int, T: int, k: int) -> torch.Tensor:
+    """[B, T, (k+1) T]: step k's pair i sees the true pairs 0..i (step 0, causal) and its own
+    earlier steps at i (steps 1..k, the diagonal): what drafting k tokens ahead of i sees."""
+    blocks = [torch.ones(T, T, dtype=torch.bool).tril()] + [torch.eye(T, dtype=torch.bool)] * k
+    return torch.cat(blocks, dim=1).expand(B, T, (k + 1) * T)
+
+
+@dataclass
+class Losses:
+    ce: float            # the weighted sum over unrolled steps
+    top1: list[float]    # per step: drafted token (mapped to target ids) == the target's argmax
+
+
+def train_step(drafter: Eagle3Drafter, target: Transformer, tokens: torch.Tensor, opt, *, ttt_steps: int) -> Losses:
+    B, T = tokens.shape
+    n = T - 1 - (ttt_steps - 1)   # pairs per step: step k predicts t_{i+k+2}, which must exist
+    layers = drafter.feature_layers
+    with torch.no_grad():
+        out = target.forward(e1.causal_batch(tokens), cache=None, hidden_layers=layers)
+        feats = torch.cat([out.hidden] + [out.layer_hidden[i] for i in layers], dim=-1)  # [B, T, (1+L) D]
+        tlogits = target.logits(out.hidden)                                              # [B, T, V]
+        ids = drafter.target_ids()                                                       # [Vd]
+        embeds = target.embed_tokens(tokens)                                             # [B, T, D]
+    kv = _UnrollKV()
+    zero = torch.zeros(B, dtype=torch.long)
+    h = drafter.fuse(feats[:, :n])   # [B, n, D] step 0 reads the true fused features
+    total, top1 = 0.0, []
+    for k in range(ttt_steps):
+        positions = (torch.arange(n) + k).expand(B, n)
+        batch = ForwardBatch(tokens[:, 1 + k:1 + k + n], positions, zero, zero, unroll_mask(B, n, k))
+        h = drafter(h, embeds[:, 1 + k:1 + k + n], batch, kv)           # [B, n, D], fed back next step
+        logp = drafter.draft_logits(h).log_softmax(-1)                  # [B, n, Vd]
+        t = tlogits[:, 1 + k:1 + k + n]                                 # [B, n, V] target at i+k+1
+        with torch.no_grad():
+            p = t[..., ids].softmax(-1)                                 # restricted to the draft vocab
+            keep = drafter.t2d[t.argmax(-1)].float()                    # [B, n]
+        ce = (-(p * logp).sum(-1) * keep).sum() / keep.sum().clamp_min(1)
+        total = total + TTT_DECAY ** k * ce
+        top1.append(float((ids[logp.argmax(-1)] == t.argmax(-1)).float().mean()))
+    opt.zero_grad(set_to_none=True)
+    total.backward()
+    torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+    opt.step()
+    return Losses(total.item(), top1)
+
+
+def init_from_target(drafter: Eagle3Drafter, target: Transformer) -> None:
+    """A far better start than random weights: the midlayer is the target's last layer reading
+    the highest named layer (fc picks it out), its embedding half of q/k/v starts small, and the
+    LM head is the target's rows of the draft vocabulary."""
+    D = drafter.cfg.hidden_size
+    last = target.layers[-1]
+    m = drafter.midlayer
+    with torch.no_grad():
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, -D:] = torch.eye(D)
+        m.self_attn.qkv_proj.weight[:, D:] = last.self_attn.qkv_proj.weight
+        m.self_attn.qkv_proj.weight[:, :D].mul_(0.1)
+        if last.self_attn.qkv_proj.bias is not None:
+            m.self_attn.qkv_proj.bias.copy_(last.self_attn.qkv_proj.bias)
+        m.self_attn.o_proj.load_state_dict(last.self_attn.o_proj.state_dict())
+        m.mlp.load_state_dict(last.mlp.state_dict())
+        m.hidden_norm.load_state_dict(last.input_layernorm.state_dict())
+        m.post_attention_layernorm.load_state_dict(last.post_attention_layernorm.state_dict())
+        drafter.norm.load_state_dict(target.norm.state_dict())
+        drafter.lm_head.weight.copy_(target.lm_head.weight[drafter.target_ids()])
+
+
+# -- main ----------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--text-file", type=Path, default=None, help="train on this text instead of the demo corpus")
+    ap.add_argument("--distill-dir", type=Path, default=None,
+                    help="train on a training/distill_data.py output folder instead (its finished shards)")
+    ap.add_argument("--heldout-file", type=Path, default=None, help="calibration report prompts (text)")
+    ap.add_argument("--work-dir", type=Path, default=None, help="checkpoints (default: checkpoints/eagle3-<name>)")
+    ap.add_argument("--target-layers", type=int, nargs="+", default=None,
+                    help="the fused layers as public hidden_states ids (id j = output of layer j - 1); "
+                         "default: 2, L/2, L-3, the public EAGLE-3 choice")
+    ap.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (capped at the target's)")
+    ap.add_argument("--ttt-steps", type=int, default=4, help="unrolled steps per window (training-time test)")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--self-prompts", type=int, default=32, help="target continuations to generate")
+    ap.add_argument("--self-new-tokens", type=int, default=128)
+    ap.add_argument("--calib-prompts", type=int, default=48)
+    ap.add_argument("--calib-serving-prompts", type=int, default=64)
+    ap.add_argument("--calib-prompts-file", type=Path, default=None)
+    ap.add_argument("--calib-draft-len", type=int, default=8)
+    ap.add_argument("--calib-new-tokens", type=int, default=64)
+    ap.add_argument("--calib-epochs", type=int, default=30)
+    ap.add_argument("--ckpt-every", type=int, default=50)
+    ap.add_argument("--stop-at", type=int, default=None,
+                    help="checkpoint and exit at this step (to split a long run; rerun to resume)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.seq_len < args.ttt_steps + 2:
+        ap.error("--seq-len must exceed --ttt-steps + 1")
+    torch.manual_seed(args.seed)
+
+    from tokenizers import Tokenizer
+
+    target = load_model(args.target)
+    tokenizer = Tokenizer.from_file(str(args.target / "tokenizer.json"))
+    work = args.work_dir or ROOT / "checkpoints" / f"eagle3-{args.out.name}"
+    work.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+
+    if args.distill_dir is not None:
+        seqs = distill_sequences(args.distill_dir)
+        stream = [t for s in seqs for t in s]   # windows may cross items: the corpus-window path
+        extra = seqs
+    else:
+        stream = e1.corpus_token_stream(tokenizer, args.text_file, "train")
+        cont_file = work / "continuations.json"
+        if cont_file.is_file():
+            extra = json.loads(cont_file.read_text())
+        else:
+            extra = e1.self_continuations(target, stream, n_prompts=args.self_prompts, prompt_len=args.seq_len // 2,
+                                          new_tokens=args.self_new_tokens, seed=args.seed)
+            cont_file.write_text(json.dumps(extra))
+
+    V = target.cfg.vocab_size
+    vocab_file = work / "draft_vocab.pt"
+    if vocab_file.is_file():
+        vocab = torch.load(vocab_file, weights_only=True)
+    else:
+        d2t, t2d = draft_vocab(token_counts([stream] + extra, V), min(args.draft_vocab, V))
+        vocab = {"d2t": d2t, "t2d": t2d}
+        torch.save(vocab, vocab_file)
+    L = target.cfg.num_layers
+    layers = engine_layers(args.target_layers or default_aux_layer_ids(L), L)
+    dcfg = target.cfg.__class__(**{**target.cfg.__dict__, "num_layers": 1})
+    drafter = Eagle3Drafter(dcfg, layers, vocab["d2t"].shape[0], calibration=True)
+    drafter.set_vocab(vocab["d2t"], vocab["t2d"])
+    init_from_target(drafter, target)
+    drafter.requires_grad_(True)
+    drafter.calibration.requires_grad_(False)
+    backbone_params = [p for n, p in drafter.named_parameters() if not n.startswith("calibration.")]
+    opt = torch.optim.AdamW(backbone_params, lr=args.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 30) * max(0.1, 1 - s / max(1, args.steps)))
+
+    step, log_rows = 0, []
+    ckpt = work / "backbone.pt"
+    state = resume(ckpt, "drafter", drafter, opt, sched)
+    if state:
+        step, log_rows = state["step"], state["log"]
+    data = e1.batches(stream, extra, seq_len=args.seq_len, batch=args.batch, seed=args.seed)
+    for _ in range(step):  # replay the data order so a resumed run sees the same batches
+        next(data)
+    bar = tqdm(total=args.steps, initial=step, desc="EAGLE-3 backbone", unit="step")
+    drafter.train()
+    stop_at = min(args.steps, args.stop_at or args.steps)
+    while step < stop_at:
+        losses = train_step(drafter, target, next(data), opt, ttt_steps=args.ttt_steps)
+        sched.step()
+        step += 1
+        log_rows.append({"step": step, **losses.__dict__})
+        bar.update(1)
+        bar.set_postfix(ce=f"{losses.ce:.3f}", top1="/".join(f"{t:.2f}" for t in losses.top1))
+        if step % args.ckpt_every == 0 or step == stop_at:
+            save(ckpt, "drafter", drafter, opt, sched, step, log=log_rows)
+    bar.close()
+    if step < args.steps:
+        print(f"stopped at step {step} of {args.steps}; rerun the same command to resume", file=sys.stderr)
+        return
+    drafter.eval().requires_grad_(False)
+
+    rng = random.Random(args.seed + 1)
+    starts = [rng.randrange(0, len(stream) - args.seq_len) for _ in range(args.calib_prompts)]
+    train_prompts = [stream[s:s + args.seq_len // 2] for s in starts]
+    # A distill folder counts as a custom corpus here: without --calib-prompts-file its windows
+    # are all we know about the traffic (serving_like_prompts returns none).
+    serving_like = e1.serving_like_prompts(tokenizer, args.calib_prompts_file, args.text_file or args.distill_dir,
+                                           args.calib_serving_prompts)
+    train_prompts += serving_like
+    h, s, y = e1.collect_calibration(drafter, target, train_prompts, draft_len=args.calib_draft_len,
+                                     new_tokens=args.calib_new_tokens, desc="calib-train")
+    drafter.calibration.requires_grad_(True)
+    e1.fit_calibration(drafter.calibration, h, s, y, epochs=args.calib_epochs, seed=args.seed)
+    drafter.calibration.requires_grad_(False)
+    report = {"train": e1.calibration_report(drafter.calibration, h, s, y)}
+    heldout = e1.heldout_prompts(tokenizer, args.heldout_file)
+    if heldout:
+        hh, hs, hy = e1.collect_calibration(drafter, target, heldout, draft_len=args.calib_draft_len,
+                                            new_tokens=args.calib_new_tokens, desc="calib-heldout")
+        report["heldout"] = e1.calibration_report(drafter.calibration, hh, hs, hy)
+
+    save_eagle(drafter, json.loads((args.target / "config.json").read_text()), args.out)
+    tail = log_rows[-20:]
+    summary = {"target": str(args.target), "steps": args.steps, "seq_len": args.seq_len, "batch": args.batch,
+               "ttt_steps": args.ttt_steps, "draft_vocab_size": drafter.draft_vocab_size,
+               "draft_vocab_coverage": round(float(token_counts([stream] + extra, V)[drafter.t2d].sum())
+                                             / max(1, sum(len(s) for s in [stream] + extra)), 4),
+               "target_layers": [i + 1 for i in layers],
+               "tokens_seen": args.steps * args.batch * args.seq_len, "seed": args.seed,
+               "wall_time_s": round(time.time() - t_start, 1),
+               "final_teacher_forced_top1_per_step": [round(sum(r["top1"][k] for r in tail) / max(1, len(tail)), 4)
+                                                      for k in range(args.ttt_steps)],
+               "calibration_prompts": {"corpus_windows": len(starts), "serving_like": len(serving_like)},
+               "calibration": report, "command": " ".join(sys.argv)}
+    (args.out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (args.out / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log_rows))
+    print(json.dumps({k: v for k, v in summary.items() if k != "calibration"}, indent=2))
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
