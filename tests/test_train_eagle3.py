@@ -106,8 +106,13 @@ def test_train_eagle3_is_deterministic_resumes_and_saves_its_vocabulary(tmp_path
 def test_distill_shards_are_read_as_prompt_plus_response(tmp_path):
     shards = tmp_path / "d" / "shards"
     shards.mkdir(parents=True)
-    (shards / "shard-00000.jsonl").write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": [3]}) + "\n"
-                                              + json.dumps({"prompt_ids": [4], "response_ids": [5, 6]}) + "\n")
+
+    def item(i, prompt, response):
+        return json.dumps({"id": f"i{i}", "phase": "response", "source": "man", "messages": [
+            {"role": "user", "content": f"question {i}"}], "sampling": {"temperature": 0.0},
+            "prompt_ids": prompt, "response_ids": response})
+
+    (shards / "shard-00000.jsonl").write_text(item(0, [1, 2], [3]) + "\n" + item(1, [4], [5, 6]) + "\n")
     (shards / "shard-00001.jsonl.tmp").write_text("partial")   # a generator mid-write: left alone
     assert train_eagle3.distill_sequences(tmp_path / "d") == [[1, 2, 3], [4, 5, 6]]
     assert (shards / "shard-00001.jsonl.tmp").exists()

@@ -53,6 +53,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "training"))
 import train_eagle as e1  # noqa: E402 — the data, calibration and report helpers
 from run_checkpoint import resume, save  # noqa: E402
+import distill_corpus  # noqa: E402
+import heldout  # noqa: E402
 
 TTT_DECAY = 0.8   # weight of unrolled step k: 0.8^k (later steps are harder and matter less)
 
@@ -60,16 +62,12 @@ TTT_DECAY = 0.8   # weight of unrolled step k: 0.8^k (later steps are harder and
 # -- data ----------------------------------------------------------------------------------------
 
 def distill_sequences(folder: Path) -> list[list[int]]:
-    """prompt + response ids of every finished item of a distill_data.py output folder. Reads the
-    shard files directly: the generator may still be appending to that folder."""
-    seqs = []
-    for shard in sorted((folder / "shards").glob("shard-*.jsonl")):
-        for line in shard.read_text().splitlines():
-            item = json.loads(line)
-            seqs.append(list(item["prompt_ids"]) + list(item["response_ids"]))
+    """prompt + response ids of every finished item of a distill_data.py output folder, read by
+    distill_corpus (read-only beside a running generator; held-out prompts refused again)."""
+    seqs = distill_corpus.load(folder, heldout.HeldoutGuard(heldout.load_all()))
     if not seqs:
         raise SystemExit(f"{folder}: no finished shards")
-    return seqs
+    return [s.tokens for s in seqs]
 
 
 def token_counts(seqs: list[list[int]], vocab_size: int) -> torch.Tensor:
