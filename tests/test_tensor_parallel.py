@@ -5,7 +5,7 @@ biases) checkpoints.
 - the sharded target's logits equal the whole target's within fp32 tolerance (the all-reduces
   only reorder the sums: rtol = atol = 1e-5 on logits of magnitude ~5);
 - an in-process engine built with tensor_parallel=2 decodes greedily token for token as N = 1
-  does, for every method its drafters serve (none, ngram, eagle, dspark, mtp);
+  does, for every method (none, ngram, eagle, dspark, mtp, dflash, draft);
 - a killed worker fails the in-flight request with an error naming it, and every later step
   at once (no hang);
 - sizes that cannot shard are refused with a message saying why.
@@ -23,38 +23,46 @@ import threading
 import pytest
 import torch
 
-from conftest import make_served_checkpoint
+from conftest import make_served_checkpoint, make_tiny_checkpoint
 from specserve.core.engine import Engine, EngineConfig, GenerationRequest
 from specserve.core.engine_loop import EngineLoop
 from specserve.core.sampling import SamplingParams
+from specserve.methods.dflash.drafter import save_dflash
+from specserve.methods.draft.drafter import save_draft_model
 from specserve.methods.eagle.drafter import save_eagle
 from specserve.model.tensor_parallel import Shard, TensorParallelError, check_tensor_parallel, shard_state
 from specserve.model.tp_processes import start_tensor_parallel
 from specserve.model.transformer import load_config, load_model
 from specserve.serving.build import build_engine
 from specserve.serving.settings import DeploymentSettings
+from test_dflash import random_dflash
 from test_eagle import random_drafter
 
 FAMILIES = {"llama": dict(num_key_value_heads=2), "qwen2": dict(num_key_value_heads=4)}
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7, 7, 300, 12, 5, 17, 99], [11, 12, 13, 14, 11, 12, 13], [77],
            list(range(100, 130))]
 N_TOKENS = 16
-BUILT_WAIT_S = 60   # a bounded wait for a killed worker to be reaped, or for the loop's failure callback
+WAIT_S = 60   # a bounded wait for a killed worker to be reaped, or for the loop's failure callback
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def served(request, tmp_path_factory):
-    """A served checkpoint (tokenizer beside it) with an EAGLE drafter folder."""
+    """A served checkpoint (tokenizer beside it) and random EAGLE, DFlash and draft-model drafter
+    folders (with EAGLE served, so are dspark and mtp)."""
     root = tmp_path_factory.mktemp(f"tp-{request.param}")
     ckpt = make_served_checkpoint(root / "target", request.param, seed=7, **FAMILIES[request.param])
-    save_eagle(random_drafter(load_model(ckpt), seed=3), json.loads((ckpt / "config.json").read_text()),
-               root / "eagle")
-    return ckpt, root / "eagle"
+    target = load_model(ckpt)
+    save_eagle(random_drafter(target, seed=3), json.loads((ckpt / "config.json").read_text()), root / "eagle")
+    save_dflash(random_dflash(target, 2, num_layers=1, window=4, block_size=4), root / "dflash", dtype=torch.float32)
+    draft = load_model(make_tiny_checkpoint(root / "draft-src", "llama", vocab_size=target.cfg.vocab_size, seed=9,
+                                            num_hidden_layers=1, tie=True))
+    save_draft_model(draft, root / "draft", tokenizer_from=ckpt, dtype=torch.float32)
+    return ckpt, tuple((m, str(root / m)) for m in ("eagle", "dflash", "draft"))
 
 
 def settings_for(served, n: int) -> DeploymentSettings:
-    ckpt, eagle = served
-    return DeploymentSettings(checkpoint=ckpt, drafters=(("eagle", str(eagle)),), tensor_parallel=n,
+    ckpt, drafters = served
+    return DeploymentSettings(checkpoint=ckpt, drafters=drafters, tensor_parallel=n,
                               max_num_seqs=4, max_model_len=128, max_draft_len=4, device="cpu",
                               draft_policy="fixed", drafter_dtype="float32")
 
@@ -100,9 +108,10 @@ def test_sharded_logits_equal_whole(engines):
 
 def test_every_method_greedy_equals_one_rank(engines):
     one, two = engines
-    assert {"none", "ngram", "eagle", "dspark", "mtp"} <= set(two.methods)
+    assert set(two.methods) == {"none", "ngram", "eagle", "dspark", "mtp", "dflash", "draft"}
     for method in two.methods:
-        reqs = [GenerationRequest(f"{method}{i}", p, SamplingParams(max_tokens=N_TOKENS), method)
+        # spec_threshold 0: random drafters draft their full length instead of stopping at once.
+        reqs = [GenerationRequest(f"{method}{i}", p, SamplingParams(max_tokens=N_TOKENS), method, spec_threshold=0.0)
                 for i, p in enumerate(PROMPTS)]
         want, got = one.generate(reqs), two.generate(reqs)
         for r in reqs:
@@ -129,13 +138,14 @@ def test_killed_worker_fails_in_flight_requests_clearly(served):
         loop.submit(GenerationRequest("a", PROMPTS[0], SamplingParams(max_tokens=64), "none"))
         (pid,) = target.worker_pids
         os.kill(pid, signal.SIGKILL)
-        target._workers[0].process.wait(BUILT_WAIT_S)   # reaped: dead for sure before decoding goes on
+        target._workers[0].process.wait(WAIT_S)   # reaped: dead for sure before decoding goes on
         held.clear()
-        assert failed.wait(BUILT_WAIT_S)
+        assert failed.wait(WAIT_S)
         rid, error = failures[0]
         assert rid == "a" and isinstance(error, TensorParallelError)
         assert f"tensor-parallel worker rank 1 (pid {pid}) exited with code -9" in str(error)
         assert "reload the model" in str(error)
+        loop.stop()   # the engine is the loop thread's until then
         # Later steps fail at once with the same error (no collective is waited on).
         with pytest.raises(TensorParallelError, match="rank 1"):
             engine.generate([GenerationRequest("b", [1, 2, 3], SamplingParams(max_tokens=2), "none")])
