@@ -8,13 +8,16 @@ biases) checkpoints.
   does, for every method (none, ngram, eagle, dspark, mtp, dflash, draft);
 - a killed worker fails the in-flight request with an error naming it, and every later step
   at once (no hang);
-- sizes that cannot shard are refused with a message saying why.
+- sizes that cannot shard are refused with a message saying why;
+- through tritonserver (rank 0 inside target_verifier), every method's greedy text equals the
+  in-process N = 1 engine's.
 
 Each N = 2 target starts one worker process (a fresh interpreter: seconds).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -45,12 +48,10 @@ N_TOKENS = 16
 WAIT_S = 60   # a bounded wait for a killed worker to be reaped, or for the loop's failure callback
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def served(request, tmp_path_factory):
+def write_served(root, family: str):
     """A served checkpoint (tokenizer beside it) and random EAGLE, DFlash and draft-model drafter
     folders (with EAGLE served, so are dspark and mtp)."""
-    root = tmp_path_factory.mktemp(f"tp-{request.param}")
-    ckpt = make_served_checkpoint(root / "target", request.param, seed=7, **FAMILIES[request.param])
+    ckpt = make_served_checkpoint(root / "target", family, seed=7, **FAMILIES[family])
     target = load_model(ckpt)
     save_eagle(random_drafter(target, seed=3), json.loads((ckpt / "config.json").read_text()), root / "eagle")
     save_dflash(random_dflash(target, 2, num_layers=1, window=4, block_size=4), root / "dflash", dtype=torch.float32)
@@ -58,6 +59,11 @@ def served(request, tmp_path_factory):
                                             num_hidden_layers=1, tie=True))
     save_draft_model(draft, root / "draft", tokenizer_from=ckpt, dtype=torch.float32)
     return ckpt, tuple((m, str(root / m)) for m in ("eagle", "dflash", "draft"))
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def served(request, tmp_path_factory):
+    return write_served(tmp_path_factory.mktemp(f"tp-{request.param}"), request.param)
 
 
 def settings_for(served, n: int) -> DeploymentSettings:
@@ -186,3 +192,22 @@ def test_serve_refuses_a_size_that_cannot_shard_before_any_server(tmp_path):
     args = build_parser().parse_args(["serve", "--target", str(ckpt), "--no-text-gate", "--device", "cpu",
                                       "--tensor-parallel", "2"])
     assert serve_settings(args)[0].tensor_parallel == 2
+
+
+def test_every_method_through_tritonserver_equals_one_rank(tmp_path):
+    from conftest import running_server
+    from specserve.triton.client import StreamClient
+    from specserve.triton.render import render_repository
+
+    served = write_served(tmp_path, "llama")
+    settings = dataclasses.replace(settings_for(served, 2), mtp_placement="fused")
+    one, tokenizer = build_engine(dataclasses.replace(settings, tensor_parallel=1))
+    prompt = "The quick brown fox jumps over the lazy dog. The quick brown"
+    ids = tokenizer.encode(prompt).ids
+    want = {m: tokenizer.decode(one.generate([GenerationRequest(m, ids, SamplingParams(max_tokens=N_TOKENS), m)])[m]
+                                .new_token_ids, skip_special_tokens=True) for m in one.methods}
+    with running_server(render_repository(settings, tmp_path / "model_repository"), tmp_path) as server:
+        client = StreamClient(server.grpc_url)
+        got = {m: client.generate(prompt, {"max_tokens": N_TOKENS, "spec_method": m}).text for m in want}
+    assert set(got) == {"none", "ngram", "eagle", "dspark", "mtp", "dflash", "draft"} and got == want
+    assert "tensor-parallel target: 2 ranks" in (tmp_path / "tritonserver.log").read_text()

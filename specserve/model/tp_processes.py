@@ -253,8 +253,10 @@ class _Worker:
 def _spawn(rank: int, spec: WorkerSpec) -> _Worker:
     ours, theirs = socket.socketpair()
     code = f"from specserve.model.tp_processes import worker_main; worker_main({theirs.fileno()})"
-    # stdout/stderr inherited: a worker's log and traceback land in the server's.
-    proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),))
+    # stdout/stderr inherited: a worker's log and traceback land in the server's. A session of its
+    # own: a Ctrl-C or SIGTERM to the server's process group is rank 0's to handle; the worker
+    # ends when rank 0 stops it or exits (EOF on its socket).
+    proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),), start_new_session=True)
     theirs.close()
     conn = Connection(ours.detach())
     conn.send_bytes(pickle.dumps(spec))
