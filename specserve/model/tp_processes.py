@@ -150,7 +150,7 @@ def _process_group(store_path: str, rank: int, world: int, device: torch.device,
     return dist.ProcessGroupGloo(store, rank, world, timeout)
 
 
-# -- a worker ---------------------------------------------------------------------------------------
+# -- the KV pool's bookkeeping: queued on rank 0, replayed on each worker ----------------------------
 
 class _Pool(KVCache):
     """A KV pool that queues its bookkeeping for the workers (rank 0's pool)."""
@@ -194,6 +194,8 @@ def apply_cache_op(pool: KVCache, op: CacheOp) -> None:
     else:
         pool.compact_path(op.slot, op.base, list(op.path))
 
+
+# -- a worker ---------------------------------------------------------------------------------------
 
 def worker_main(fd: int) -> None:
     """A worker process (`fd`: its end of the socket pair): take its WorkerSpec, join the group,
