@@ -47,6 +47,18 @@ def check_quantization_flags(target: Path, quantize: str, group_size: int, devic
         raise CliError(f"{flag}: {e}") from None
 
 
+def check_tensor_parallel_flag(target: Path, world: int, device: "torch.device", quantize: str) -> None:
+    """--tensor-parallel against the checkpoint's heads, --quantize and the GPUs there are (the
+    engine checks the same at load; here it fails before a server starts)."""
+    from specserve.model.tensor_parallel import check_tensor_parallel
+    from specserve.model.transformer import load_config
+
+    try:
+        check_tensor_parallel(load_config(target), world, device, quantize)
+    except ValueError as e:
+        raise CliError(f"--tensor-parallel: {e}") from None
+
+
 def resolve_drafters(target: Path, flags: list[str], disabled: bool) -> tuple[tuple[str, str], ...]:
     """--drafter METHOD=DIR flags, else the drafters found beside the target (a folder named after
     its method whose config.json says so: models/demo/eagle, …/dflash, …/draft, …/mtp)."""

@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from specserve.cli.checks import CliError, check_checkpoint, check_quantization_flags, resolve_drafters
+from specserve.cli.checks import (CliError, check_checkpoint, check_quantization_flags, check_tensor_parallel_flag,
+                                  resolve_drafters)
 from specserve.serving.auth import ADMIN_KEY_ENV, ADMIN_KEY_FILE
 from specserve.methods import registry
 
@@ -140,6 +141,7 @@ def serve_settings(args: argparse.Namespace) -> tuple["DeploymentSettings", list
     except ValueError as e:
         raise CliError(f"--device: {e}") from None
     check_quantization_flags(target, args.quantize, args.quantize_group_size, device.type, args.dtype)
+    check_tensor_parallel_flag(target, args.tensor_parallel, device, args.quantize)
     found = dict(max_model_len=max_len, drafters=drafters)
     default = from_args(args, **found).method_by_default()
     if default not in methods:

@@ -6,6 +6,10 @@ attention mask as arguments — nothing is stashed on the module between calls.
 
 Shapes: B rows, T new tokens per row, S keys visible (the span of cache read), D hidden size,
 H query heads, Hkv key/value heads, hd head dim, V vocabulary.
+
+Tensor parallelism (tensor_parallel.py) shards this same model: built with a Shard of N ranks,
+each attention keeps H/N query and Hkv/N KV heads (`heads`, `kv_heads` below: the counts on
+this rank), each MLP I/N features, and o_proj / down_proj end in one all-reduce each.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torch import nn
 from specserve.core.forward import CacheIO, ForwardBatch, ForwardOutput
 from specserve.core.kv_cache import KVCache
 from specserve.model.rope import RopeSpec, RotaryEmbedding, apply_rope
+from specserve.model.tensor_parallel import WHOLE, Shard, check_divisible, shard_state
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -105,52 +110,56 @@ class Attention(nn.Module):
     # The ONNX exporter cannot lower SDPA's enable_gqa; export sets this to repeat k/v heads instead.
     expand_kv_heads = False
 
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard = WHOLE):
         super().__init__()
-        self.layer, self.cfg = layer, cfg
-        D, H, Hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.layer, self.cfg, self.shard = layer, cfg, shard
+        # This rank's heads (all of them when not sharded).
+        self.heads, self.kv_heads = cfg.num_heads // shard.world, cfg.num_kv_heads // shard.world
+        D, H, Hkv, hd = cfg.hidden_size, self.heads, self.kv_heads, cfg.head_dim
         # q, k, v fused into one matmul (a decode step is small: fewer, larger matmuls win).
         self.qkv_proj = nn.Linear(D, (H + 2 * Hkv) * hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(H * hd, D, bias=False)
+        self.o_proj = nn.Linear(H * hd, D, bias=False)  # row-parallel when sharded (no bias to split)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 cache: CacheIO | None) -> torch.Tensor:
         B, T, _ = x.shape
-        c = self.cfg
+        H, Hkv, hd = self.heads, self.kv_heads, self.cfg.head_dim
         qkv = self.qkv_proj(x)  # [B, T, (H + 2 Hkv) hd]
-        q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
-                             c.num_kv_heads * c.head_dim], dim=-1)
-        q = q.view(B, T, c.num_heads, c.head_dim).transpose(1, 2)     # [B, H, T, hd]
-        k = k.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
-        v = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
+        q, k, v = qkv.split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+        q = q.view(B, T, H, hd).transpose(1, 2)     # [B, H, T, hd]
+        k = k.view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
+        v = v.view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             cache.write(self.layer, batch.slots, batch.starts, k, v)
             k, v = cache.read(self.layer, batch.slots, batch.mask.shape[-1])  # [B, Hkv, S, hd]
-        gqa = c.num_kv_heads != c.num_heads
+        gqa = Hkv != H
         if gqa and self.expand_kv_heads:
-            rep = c.num_heads // c.num_kv_heads
+            rep = H // Hkv
             k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask[:, None], enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim))
+        # [B, T, D]: this rank's heads' share of o_proj, summed over the ranks
+        return self.shard.all_reduce(self.o_proj(out.transpose(1, 2).reshape(B, T, H * hd)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard = WHOLE):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.shard = shard
+        width = cfg.intermediate_size // shard.world  # I/N: this rank's features
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * width, bias=False)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [B, T, I/N] each
+        return self.shard.all_reduce(self.down_proj(F.silu(gate) * up))  # [B, T, D]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard = WHOLE):
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer, shard)
+        self.mlp = MLP(cfg, shard)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -160,11 +169,12 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard = WHOLE):
         super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        check_divisible(cfg, shard.world)
+        self.cfg, self.shard = cfg, shard
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # replicated when sharded
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -181,7 +191,8 @@ class Transformer(nn.Module):
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         c = self.cfg
-        return KVCache(num_layers=c.num_layers, num_slots=num_slots, num_kv_heads=c.num_kv_heads,
+        # Sharded: this rank's Hkv/N KV heads only.
+        return KVCache(num_layers=c.num_layers, num_slots=num_slots, num_kv_heads=c.num_kv_heads // self.shard.world,
                        max_len=max_len, head_dim=c.head_dim, dtype=self.dtype, device=self.device)
 
     def forward(self, batch: ForwardBatch, cache: CacheIO | None,
@@ -202,14 +213,18 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def score(self, tokens: torch.Tensor) -> torch.Tensor:
         """Plain causal forward without a cache: tokens [B, T] → logits [B, T, V]."""
-        B, T = tokens.shape
-        positions = torch.arange(T, device=tokens.device).expand(B, T)
-        mask = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
-        if self.cfg.sliding_window:
-            mask &= (positions[0][:, None] - positions[0][None, :]) < self.cfg.sliding_window
-        zeros = torch.zeros(B, dtype=torch.long, device=tokens.device)
-        batch = ForwardBatch(tokens, positions, zeros, zeros, mask.expand(B, T, T))
-        return self.logits(self.forward(batch, cache=None).hidden)
+        return self.logits(self.forward(causal_batch(tokens, self.cfg.sliding_window), cache=None).hidden)
+
+
+def causal_batch(tokens: torch.Tensor, sliding_window: int | None) -> ForwardBatch:
+    """tokens [B, T] as one cache-free causal forward (positions 0 .. T-1)."""
+    B, T = tokens.shape
+    positions = torch.arange(T, device=tokens.device).expand(B, T)
+    mask = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
+    if sliding_window:
+        mask &= (positions[0][:, None] - positions[0][None, :]) < sliding_window
+    zeros = torch.zeros(B, dtype=torch.long, device=tokens.device)
+    return ForwardBatch(tokens, positions, zeros, zeros, mask.expand(B, T, T))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,16 +331,19 @@ def load_config(path: str | Path) -> ModelConfig:
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> Transformer:
-    """Build a Transformer from a Hugging Face folder (config.json + single or sharded safetensors)."""
+               device: str | torch.device = "cpu", shard: Shard = WHOLE) -> Transformer:
+    """Build a Transformer from a Hugging Face folder (config.json + single or sharded safetensors).
+    `shard`: this rank's part of a tensor-parallel target (tensor_parallel.py); default the whole."""
     path = Path(path)
     cfg = load_config(path)
+    check_divisible(cfg, shard.world)
     state = _read_weights(_weight_files(path))
     # HF names: model.layers.0.self_attn.q_proj.weight …; ours drop the "model." prefix.
     ours = fuse_projections({k.removeprefix("model."): v for k, v in state.items()})
     with torch.device("meta"):
-        model = Transformer(cfg)
-    expected = set(model.state_dict().keys())
+        whole = Transformer(cfg)  # the checkpoint is checked against the whole model's shapes
+        model = whole if shard.world == 1 else Transformer(cfg, shard)
+    expected = set(whole.state_dict().keys())
     if cfg.tie_word_embeddings:
         ours.pop("lm_head.weight", None)
         expected.discard("lm_head.weight")
@@ -335,12 +353,12 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
         raise CheckpointError(f"{path}: weights missing for {len(missing)} tensors, e.g. {missing[:3]}")
     if unexpected:
         raise CheckpointError(f"{path}: unexpected tensors {unexpected[:3]} (wrong architecture?)")
-    for name, param in model.state_dict().items():
+    for name, param in whole.state_dict().items():
         if name in ours and tuple(ours[name].shape) != tuple(param.shape):
             raise CheckpointError(f"{path}: tensor {name} has shape {tuple(ours[name].shape)}, "
                                   f"config implies {tuple(param.shape)}")
     model = model.to_empty(device=device)
-    model.load_state_dict({k: v for k, v in ours.items() if k in expected}, strict=False)
+    model.load_state_dict(shard_state({k: v for k, v in ours.items() if k in expected}, cfg, shard), strict=False)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = RotaryEmbedding(cfg.rope)  # built under "meta" above; make the real tables

@@ -147,10 +147,13 @@ def build_proposers(model, settings: DeploymentSettings, max_len: int,
 
 def build_engine(settings: DeploymentSettings, remote: "RemoteCalls | None" = None):
     """→ (Engine, tokenizers.Tokenizer). Raises CheckpointError for an unusable checkpoint.
+    With tensor_parallel N > 1 the engine's model is a TensorParallelTarget whose workers run
+    until its close() (model/tp_processes.py).
     `remote`: the BLS calls of remote proposers (the target_verifier adapter's); None: built in
     process, where mtp runs fused (logged) and a remote placement of a drafter is refused."""
     from specserve.core.engine import Engine
     from specserve.model.quantize import check_quantization, quantize_target
+    from specserve.model.tensor_parallel import check_tensor_parallel
     from specserve.model.transformer import load_config, load_model
 
     import torch
@@ -159,14 +162,27 @@ def build_engine(settings: DeploymentSettings, remote: "RemoteCalls | None" = No
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {settings.dtype!r}")
     tokenizer = load_tokenizer(settings.checkpoint)
     device = resolve_device(settings.device)
-    # Refused before the weights are read: a quantization this checkpoint / device / dtype cannot run.
-    check_quantization(settings.quantization(), load_config(settings.checkpoint), device.type, settings.dtype)
-    model = load_model(settings.checkpoint, dtype=getattr(torch, settings.dtype), device=device)
-    quantize_target(model, settings.quantization())
-    config = settings.engine_config()
-    proposers = build_proposers(model, settings, config.max_model_len, remote)
-    fault_injection.inject(proposers)   # a no-op unless a test asks for it
-    engine = Engine(model, config, proposers, detokenize=make_decode(tokenizer))
+    # Refused before the weights are read: a quantization or tensor-parallel size this checkpoint /
+    # device / dtype cannot run.
+    cfg = load_config(settings.checkpoint)
+    check_quantization(settings.quantization(), cfg, device.type, settings.dtype)
+    check_tensor_parallel(cfg, settings.tensor_parallel, device, settings.quantize)
+    dtype = getattr(torch, settings.dtype)
+    if settings.tensor_parallel > 1:
+        from specserve.model.tp_processes import start_tensor_parallel
+
+        model = start_tensor_parallel(settings.checkpoint, settings.tensor_parallel, dtype=dtype, device=device)
+    else:
+        model = quantize_target(load_model(settings.checkpoint, dtype=dtype, device=device), settings.quantization())
+    try:
+        config = settings.engine_config()
+        proposers = build_proposers(model, settings, config.max_model_len, remote)
+        fault_injection.inject(proposers)   # a no-op unless a test asks for it
+        engine = Engine(model, config, proposers, detokenize=make_decode(tokenizer))
+    except BaseException:
+        if settings.tensor_parallel > 1:
+            model.close()   # its workers
+        raise
     if model.device.type == "cuda":  # capture the static-step graphs now, not on a request's path
         for proposer in engine.proposers.values():
             if proposer.static_step:

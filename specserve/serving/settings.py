@@ -151,6 +151,13 @@ class DeploymentSettings:
         "auto", param=STR, metavar="auto|cpu|cuda[:N]",
         help="where the target, its KV pool, fused drafters and the static step run (auto: CUDA when "
              "available); float32 keeps greedy output token-exact on either")
+    # Megatron-style sharding of the target (model/tensor_parallel.py): rank 0 runs the engine in
+    # this process, ranks 1 … N−1 are worker processes it starts (model/tp_processes.py).
+    tensor_parallel: int = setting(
+        1, param=INT, metavar="N",
+        help="shard the target over N ranks (tensor parallelism, one process and device each; rank 0 runs "
+             "the engine): N must divide the model's KV heads, query heads and MLP width, and on CUDA "
+             "there must be N GPUs from --device's on")
     # A healthy remote draft round trip takes ~9 ms on the demo model (CPU); past this the step
     # decodes plainly and the drafter counts as hung until it answers (methods/remote.py).
     remote_timeout_s: float = setting(
