@@ -105,7 +105,7 @@ def tiny_ckpt(request, tmp_path_factory):
 LONGEST_FIRST = ("test_triton_eagle.py", "test_policy_recovery_triton.py", "test_reliability.py",
                  "test_triton_dflash.py", "test_smollm2.py", "test_eagle_triton_bench.py", "test_seeded_engine.py",
                  "test_bench_e2e.py", "test_static_step.py", "test_dspark.py", "test_quantize.py", "test_wheel.py",
-                 "test_seeded.py", "test_openai.py", "test_cli.py", "test_tiers_triton.py")
+                 "test_seeded.py", "test_tensor_parallel.py", "test_openai.py", "test_cli.py", "test_tiers_triton.py")
 
 
 def pytest_collection_modifyitems(items):
