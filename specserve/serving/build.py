@@ -150,7 +150,7 @@ def build_engine(settings: DeploymentSettings, remote: "RemoteCalls | None" = No
     `remote`: the BLS calls of remote proposers (the target_verifier adapter's); None: built in
     process, where mtp runs fused (logged) and a remote placement of a drafter is refused."""
     from specserve.core.engine import Engine
-    from specserve.model.quantize import check_quantization, quantize_target
+    from specserve.model.quantize import check_quantization, kept_quantization, quantize_target, served_quantization
     from specserve.model.transformer import load_config, load_model
 
     import torch
@@ -159,8 +159,10 @@ def build_engine(settings: DeploymentSettings, remote: "RemoteCalls | None" = No
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {settings.dtype!r}")
     tokenizer = load_tokenizer(settings.checkpoint)
     device = resolve_device(settings.device)
-    # Refused before the weights are read: a quantization this checkpoint / device / dtype cannot run.
-    check_quantization(settings.quantization(), load_config(settings.checkpoint), device.type, settings.dtype)
+    # Refused before the weights are read: a quantization this checkpoint / device / dtype cannot run
+    # (--quantize, or the folder's own kept int4, which load_model builds and --quantize may not redo).
+    served = served_quantization(settings.quantization(), kept_quantization(settings.checkpoint), settings.checkpoint)
+    check_quantization(served, load_config(settings.checkpoint), device.type, settings.dtype)
     model = load_model(settings.checkpoint, dtype=getattr(torch, settings.dtype), device=device)
     quantize_target(model, settings.quantization())
     config = settings.engine_config()
