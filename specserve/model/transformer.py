@@ -350,7 +350,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
         model.lm_head.weight = model.embed_tokens.weight
     for name, weights in kept.items():
         parent, attr = name.rsplit(".", 1)
-        bias = getattr(model.get_submodule(name), "bias")   # loaded above (Qwen2's q/k/v bias)
+        bias = model.get_submodule(name).bias   # loaded above (Qwen2's q/k/v bias)
         setattr(model.get_submodule(parent), attr, int4_linear(weights, bias, dtype, torch.device(device)))
     model.rotary = RotaryEmbedding(cfg.rope)  # built under "meta" above; make the real tables
     return model.to(dtype).eval().requires_grad_(False)
