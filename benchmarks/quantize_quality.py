@@ -76,7 +76,7 @@ def build(target: Path, cfg: Config, group_size: int, max_num_seqs: int):
         model = engine.model
         head = nn.Linear(model.cfg.hidden_size, model.cfg.vocab_size, bias=False, dtype=model.dtype)
         head.weight = model.lm_head.weight
-        model.lm_head = Int8Linear(head) if cfg.quantize == "int8" else Int4Linear(head, group_size)
+        model.lm_head = Int8Linear(head) if cfg.quantize == "int8" else Int4Linear.from_linear(head, group_size)
     return engine, tok
 
 

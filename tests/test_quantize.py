@@ -85,7 +85,7 @@ def test_int4_linear_equals_its_dequantized_matmul(dtype, group_size):
     groups = linear.weight.float().reshape(96, -1, group_size)
     step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(group_size, dim=1)  # [N, K]
     assert ((ref - linear.weight.double()).abs() <= step.double() / 2 + 1e-6).all()
-    module = Int4Linear(linear, group_size)
+    module = Int4Linear.from_linear(linear, group_size)
     # The kernel reads its scales and zeros in the activation dtype.
     sz = module.scales_and_zeros.double()
     ref_in_dtype = (int4_weights(linear.weight, group_size)[0].double() - 8) * \

@@ -35,8 +35,11 @@ def _tokenizer_fields(folder: Path) -> tuple[list[str], list[int], list[str]]:
 
 
 def write_tiny_gguf(path: str | Path, *, arch: str = "llama", qtype: str = "Q8_0", seed: int = 0,
-                    tie: bool = True, hidden: int = 64, layers: int = 2) -> Path:
-    """A random 2-layer model (hidden 64, 4 query / 2 KV heads) as a GGUF file at `path`."""
+                    tie: bool = True, hidden: int = 64, layers: int = 2,
+                    tensor_types: dict[str, str] | None = None) -> Path:
+    """A random 2-layer model (hidden 64, 4 query / 2 KV heads) as a GGUF file at `path`.
+    `tensor_types`: tensor name → quantization type for some matrices instead of `qtype`; a type the
+    gguf package cannot quantize (the K-quants) gets random blocks, for tests that refuse it."""
     import gguf
 
     path = Path(path)
@@ -65,15 +68,19 @@ def write_tiny_gguf(path: str | Path, *, arch: str = "llama", qtype: str = "Q8_0
     w.add_eos_token_id(tokens.index("<|im_end|>"))
     w.add_chat_template(CHATML)
 
-    quant = gguf.GGMLQuantizationType[qtype]
-
     def matrix(name: str, rows: int, cols: int) -> None:
+        quant = gguf.GGMLQuantizationType[(tensor_types or {}).get(name, qtype)]
         # Larger than init scale: peaked next-token distributions, so greedy is not decided by ties.
         values = rng.normal(0, 0.15, size=(rows, cols)).astype(np.float32)
         if quant == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, values)
-        else:
-            w.add_tensor(name, gguf.quants.quantize(values, quant), raw_dtype=quant)
+            return
+        try:
+            blocks = gguf.quants.quantize(values, quant)
+        except NotImplementedError:
+            block_elems, block_bytes = gguf.GGML_QUANT_SIZES[quant]
+            blocks = rng.integers(0, 256, size=(rows, cols // block_elems * block_bytes), dtype=np.uint8)
+        w.add_tensor(name, blocks, raw_dtype=quant)
 
     def norm(name: str) -> None:
         w.add_tensor(name, (1 + rng.normal(0, 0.1, size=D)).astype(np.float32))

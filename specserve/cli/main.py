@@ -114,10 +114,14 @@ def _load_tiers(path: Path | None, methods: list[str], max_draft_len: int, max_l
 
 def _quantized(settings: "DeploymentSettings") -> str:
     """The startup line's word on the target's weights ("" when they are not quantized)."""
-    if settings.quantize == "none":
+    from specserve.model.quantize import kept_quantization
+
+    kept = kept_quantization(settings.checkpoint)
+    q = kept or settings.quantization()   # serve_settings refused both at once
+    if q.mode == "none":
         return ""
-    group = f" group {settings.quantize_group_size}" if settings.quantize == "int4" else ""
-    return f" activations, {settings.quantize}{group} weights"
+    group = f" group {q.group_size}" if q.mode == "int4" else ""
+    return f" activations, {q.mode}{group} weights" + (" (kept from the GGUF file)" if kept else "")
 
 
 def _interrupt(signum, frame) -> None:
@@ -542,6 +546,9 @@ def _add_import_gguf(sub: argparse._SubParsersAction) -> None:
     p.add_argument("file", type=Path, help="the .gguf file")
     p.add_argument("out", type=Path, help="the checkpoint folder to write (`specserve serve --target OUT`)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the written weights")
+    p.add_argument("--keep-quantized", action="store_true",
+                   help="keep the decoder projections as the file stores them (Q4_0 / Q4_1 → int4 group 32, "
+                        "served on the int4 kernel); other projection types are refused by name")
     p.set_defaults(run=_import_gguf)
 
 
@@ -549,9 +556,13 @@ def _import_gguf(args: argparse.Namespace) -> int:
     from specserve.model.gguf_import import GGUFImportError, import_gguf
 
     try:
-        out = import_gguf(args.file, args.out, args.dtype)
+        out = import_gguf(args.file, args.out, args.dtype, keep_quantized=args.keep_quantized)
     except GGUFImportError as e:
         raise CliError(str(e)) from None
+    if args.keep_quantized:
+        from specserve.model.gguf_q4 import KeptReport
+
+        print(f"specserve: {KeptReport.of_folder(out).summary()}")
     print(f"specserve: wrote {out} ({args.dtype}); serve it with `specserve serve --target {out}`", flush=True)
     return 0
 

@@ -8,7 +8,9 @@ config.json, model.safetensors in the dtype asked for, tokenizer.json, tokenizer
 the chat template) and generation_config.json (with the end-of-turn ids).
 
 The weights are dequantized: the folder serves the GGUF's values exactly, at full precision
-(float32) or rounded once to bfloat16.
+(float32) or rounded once to bfloat16. With keep_quantized (--keep-quantized) the decoder
+projections stay as the file stores them instead (Q4_0 / Q4_1 → int4 group 32, gguf_q4.py and
+q4_checkpoint.py), recorded in quantization_config.json; the rest is dequantized as above.
 """
 
 from __future__ import annotations
@@ -94,16 +96,28 @@ def check_importable(summary: GGUFSummary, path: Path) -> None:
                               f"(the gguf package cannot dequantize them)")
 
 
-def import_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float32") -> Path:
+def import_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float32",
+                keep_quantized: bool = False) -> Path:
     """Write the checkpoint folder `out_dir` from `gguf_file`; returns out_dir."""
     import torch
     import transformers
+    from gguf import GGUFReader
+
+    from specserve.model.gguf_q4 import GGUFKeepError, check_keepable, kept_projections
+    from specserve.model.q4_checkpoint import KEPT_FILE
 
     if dtype not in DTYPES:
         raise GGUFImportError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     gguf_file, out = Path(gguf_file).resolve(), Path(out_dir)
     summary = inspect_gguf(gguf_file)
     check_importable(summary, gguf_file)
+    reader = GGUFReader(str(gguf_file)) if keep_quantized else None
+    if reader is not None:   # refused before the slow dequantizing load
+        layers = int(_field(reader, f"{summary.architecture}.block_count"))
+        try:
+            check_keepable(reader, layers)
+        except GGUFKeepError as e:
+            raise GGUFImportError(f"{gguf_file}: {e}") from None
     where = dict(pretrained_model_name_or_path=str(gguf_file.parent), gguf_file=gguf_file.name)
     tokenizer = transformers.AutoTokenizer.from_pretrained(**where)
     if summary.chat_template and not tokenizer.chat_template:
@@ -115,9 +129,37 @@ def import_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float3
         # The turn ends on eos or on the end-of-turn token (ChatML's <|im_end|>, Llama 3's <|eot_id|>).
         model.generation_config.eos_token_id = list(summary.end_ids)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), safe_serialization=True)
+    if reader is None:
+        model.save_pretrained(str(out), safe_serialization=True)
+        (out / KEPT_FILE).unlink(missing_ok=True)   # a kept import's record, were it one before
+    else:
+        try:
+            kept, report = kept_projections(reader, loaded, summary.architecture, layers)
+        except GGUFKeepError as e:
+            raise GGUFImportError(f"{gguf_file}: {e}") from None
+        _save_kept(model, kept, report, gguf_file.name, out)
     _save_tokenizer(tokenizer, out)
     return out
+
+
+def _save_kept(model, kept: dict, report, source: str, out: Path) -> None:
+    """config.json, generation_config.json, model.safetensors with the kept projections in place
+    of their dense weights (q4_checkpoint.py's layout), and quantization_config.json."""
+    from safetensors.torch import save_file
+
+    from specserve.model.q4_checkpoint import KEPT_FILE, to_stored
+
+    model.config.save_pretrained(str(out))
+    model.generation_config.save_pretrained(str(out))
+    state = dict(model.state_dict())
+    if model.config.tie_word_embeddings:
+        del state["lm_head.weight"]   # the embedding itself
+    for prefix, weights in kept.items():
+        del state[f"{prefix}.weight"]
+        state.update(to_stored(prefix, weights))
+    (out / "model.safetensors.index.json").unlink(missing_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / KEPT_FILE).write_text(json.dumps(report.record(source), indent=2) + "\n")
 
 
 def _plain_copy(loaded, dtype):

@@ -13,6 +13,11 @@ Activations run in --dtype (float32 or bfloat16; the scales are stored in it too
 kernels take either; CUDA's int4 kernel (tinygemm) takes bfloat16 only, so int4 on CUDA with
 float32 is refused rather than silently cast.
 
+A checkpoint folder may hold its projections already quantized (`import-gguf --keep-quantized`:
+int4 group 32 from a GGUF file's Q4_0 / Q4_1 tensors, model/q4_checkpoint.py); its
+quantization_config.json says so, and it is served as it is (`kept_quantization`,
+`served_quantization`).
+
 Nothing here imports torch at module level: the CLI offers the choices and checks a checkpoint's
 shapes without loading it.
 """
@@ -20,6 +25,7 @@ shapes without loading it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -41,6 +47,27 @@ class QuantizeError(ValueError):
 class Quantization:
     mode: str = "none"                     # one of QUANTIZE_MODES
     group_size: int = DEFAULT_GROUP_SIZE   # int4 only: input features per scale and zero
+
+
+def kept_quantization(folder: str | Path) -> Quantization | None:
+    """The quantization a checkpoint folder's weights are stored in; None for a dense folder."""
+    from specserve.model.q4_checkpoint import Q4_GROUP_SIZE, KeptRecordError, is_kept
+
+    try:
+        return Quantization("int4", Q4_GROUP_SIZE) if is_kept(folder) else None
+    except KeptRecordError as e:
+        raise QuantizeError(str(e)) from None
+
+
+def served_quantization(asked: Quantization, kept: Quantization | None, folder: str | Path) -> Quantization:
+    """What the target runs with: --quantize on a dense folder, the folder's own quantization on a
+    kept one (where a --quantize of its own is refused: the weights are quantized already)."""
+    if kept is None:
+        return asked
+    if asked.mode != "none":
+        raise QuantizeError(f"{folder} holds int4 group {kept.group_size} weights kept from a GGUF file "
+                            f"(quantization_config.json): it is served as it is, without --quantize {asked.mode}")
+    return kept
 
 
 def linear_shapes(cfg: "ModelConfig") -> dict[str, tuple[int, int]]:
@@ -88,5 +115,5 @@ def quantize_target(model: "Transformer", q: Quantization) -> "Transformer":
             parent_name, attr = name.split(".")
             parent = getattr(layer, parent_name)
             dense = getattr(parent, attr)
-            setattr(parent, attr, Int8Linear(dense) if q.mode == "int8" else Int4Linear(dense, q.group_size))
+            setattr(parent, attr, Int8Linear(dense) if q.mode == "int8" else Int4Linear.from_linear(dense, q.group_size))
     return model

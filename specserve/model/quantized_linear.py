@@ -67,20 +67,30 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    def __init__(self, linear: nn.Linear, group_size: int):
+    """From integers and scales already on the int4 grid: q int32 [N, K] in 0..15,
+    scales_and_zeros [K/G, N, 2] in the activation dtype (w = (q - 8) · s + z), on the device the
+    kernel runs on. `from_linear` quantizes a dense layer; a GGUF's Q4_0 / Q4_1 tensors come in
+    as they are (model/q4_checkpoint.py)."""
+
+    def __init__(self, q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None = None):
         super().__init__()
-        q, scales_and_zeros = int4_weights(linear.weight, group_size)
-        dtype, device = linear.weight.dtype, linear.weight.device
-        self.in_features, self.out_features, self.group_size = linear.in_features, linear.out_features, group_size
-        self.on_cuda = device.type == "cuda"
+        self.out_features, self.in_features = q.shape
+        self.group_size = group_size
+        self.on_cuda = q.device.type == "cuda"
         if self.on_cuda:   # two 4-bit values per byte, even column high, then the tinygemm layout
             pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)        # [N, K/2]
             packed = torch.ops.aten._convert_weight_to_int4pack(pairs, _int4_inner_k_tiles(self.in_features))
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8)  # uint8 [N, K/2]
         self.register_buffer("weight_int4", packed)
-        self.register_buffer("scales_and_zeros", scales_and_zeros.to(dtype))   # [K/G, N, 2]
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.register_buffer("scales_and_zeros", scales_and_zeros)      # [K/G, N, 2]
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int) -> "Int4Linear":
+        q, scales_and_zeros = int4_weights(linear.weight, group_size)
+        return cls(q, scales_and_zeros.to(linear.weight.dtype), group_size, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()             # [M, K]

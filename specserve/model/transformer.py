@@ -24,6 +24,8 @@ from torch import nn
 
 from specserve.core.forward import CacheIO, ForwardBatch, ForwardOutput
 from specserve.core.kv_cache import KVCache
+from specserve.model.q4_checkpoint import (KEPT_KINDS, Q4_GROUP_SIZE, KeptRecordError, Q4Weights, int4_linear,
+                                           is_kept, take_stored)
 from specserve.model.rope import RopeSpec, RotaryEmbedding, apply_rope
 from specserve.model.tensor_parallel import WHOLE, Shard, check_divisible, shard_state
 
@@ -286,10 +288,11 @@ def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Hugging Face's separate q/k/v and gate/up projections → our fused qkv_proj / gate_up_proj.
 
     Tensors that are not all present are left alone, so a missing one is reported by name later.
+    Kept int4 tensors (q4_checkpoint.py) are concatenated by rows like the weights they stand for.
     """
     out = dict(state)
-    groups = [(("q_proj", "k_proj", "v_proj"), "qkv_proj", ("weight", "bias")),
-              (("gate_proj", "up_proj"), "gate_up_proj", ("weight",))]
+    groups = [(("q_proj", "k_proj", "v_proj"), "qkv_proj", ("weight", "bias") + KEPT_KINDS),
+              (("gate_proj", "up_proj"), "gate_up_proj", ("weight",) + KEPT_KINDS)]
     for key in list(state):
         for parts, fused, kinds in groups:
             for kind in kinds:
@@ -333,7 +336,8 @@ def load_config(path: str | Path) -> ModelConfig:
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", shard: Shard = WHOLE) -> Transformer:
     """Build a Transformer from a Hugging Face folder (config.json + single or sharded safetensors).
-    `shard`: this rank's part of a tensor-parallel target (tensor_parallel.py); default the whole."""
+    `shard`: this rank's part of a tensor-parallel target (tensor_parallel.py); default the whole.
+    A folder with kept int4 projections (quantization_config.json) gets them as int4 linears."""
     path = Path(path)
     cfg = load_config(path)
     check_divisible(cfg, shard.world)
@@ -343,7 +347,12 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     with torch.device("meta"):
         whole = Transformer(cfg)  # the checkpoint is checked against the whole model's shapes
         model = whole if shard.world == 1 else Transformer(cfg, shard)
-    expected = set(whole.state_dict().keys())
+    kept = _take_kept(path, whole, ours)
+    if kept and shard.world > 1:
+        # Sharding kept int4 groups would split a group's scale across ranks: not built.
+        raise CheckpointError(f"{path}: kept int4 projections cannot be sharded for tensor parallelism yet; "
+                              "import the GGUF without --keep-quantized")
+    expected = set(whole.state_dict().keys()) - {f"{name}.weight" for name in kept}
     if cfg.tie_word_embeddings:
         ours.pop("lm_head.weight", None)
         expected.discard("lm_head.weight")
@@ -361,5 +370,33 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     model.load_state_dict(shard_state({k: v for k, v in ours.items() if k in expected}, cfg, shard), strict=False)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    for name, weights in kept.items():
+        parent, attr = name.rsplit(".", 1)
+        bias = model.get_submodule(name).bias   # loaded above (Qwen2's q/k/v bias)
+        setattr(model.get_submodule(parent), attr, int4_linear(weights, bias, dtype, torch.device(device)))
     model.rotary = RotaryEmbedding(cfg.rope)  # built under "meta" above; make the real tables
     return model.to(dtype).eval().requires_grad_(False)
+
+
+def _take_kept(path: Path, model: Transformer, ours: dict[str, torch.Tensor]) -> dict[str, Q4Weights]:
+    """The kept int4 projections of a --keep-quantized folder, taken out of `ours` (our fused
+    names: layers.0.self_attn.qkv_proj …); {} for a dense folder. `model`: the one being built."""
+    try:
+        if not is_kept(path):
+            return {}
+    except KeptRecordError as e:
+        raise CheckpointError(str(e)) from None
+    kept = {}
+    for name, module in model.layers.named_modules(prefix="layers"):
+        if not isinstance(module, nn.Linear):   # a decoder layer's linears are its projections
+            continue
+        weights = take_stored(ours, name)
+        if weights is None:
+            raise CheckpointError(f"{path}: kept int4 tensors missing for {name} (qweight, scales, mins)")
+        n, k = module.out_features, module.in_features
+        groups = (n, k // Q4_GROUP_SIZE)
+        if (tuple(weights.q.shape), tuple(weights.scales.shape), tuple(weights.mins.shape)) != ((n, k), groups, groups):
+            raise CheckpointError(f"{path}: kept int4 tensors of {name} are {tuple(weights.q.shape)} with "
+                                  f"scales {tuple(weights.scales.shape)}, config implies ({n}, {k})")
+        kept[name] = weights
+    return kept

@@ -152,7 +152,7 @@ def build_engine(settings: DeploymentSettings, remote: "RemoteCalls | None" = No
     `remote`: the BLS calls of remote proposers (the target_verifier adapter's); None: built in
     process, where mtp runs fused (logged) and a remote placement of a drafter is refused."""
     from specserve.core.engine import Engine
-    from specserve.model.quantize import check_quantization, quantize_target
+    from specserve.model.quantize import check_quantization, kept_quantization, quantize_target, served_quantization
     from specserve.model.tensor_parallel import check_tensor_parallel
     from specserve.model.transformer import load_config, load_model
 
@@ -163,10 +163,12 @@ def build_engine(settings: DeploymentSettings, remote: "RemoteCalls | None" = No
     tokenizer = load_tokenizer(settings.checkpoint)
     device = resolve_device(settings.device)
     # Refused before the weights are read: a quantization or tensor-parallel size this checkpoint /
-    # device / dtype cannot run.
+    # device / dtype cannot run (--quantize, or the folder's own kept int4, which load_model builds
+    # and --quantize may not redo).
     cfg = load_config(settings.checkpoint)
-    check_quantization(settings.quantization(), cfg, device.type, settings.dtype)
-    check_tensor_parallel(cfg, settings.tensor_parallel, device, settings.quantize)
+    served = served_quantization(settings.quantization(), kept_quantization(settings.checkpoint), settings.checkpoint)
+    check_quantization(served, cfg, device.type, settings.dtype)
+    check_tensor_parallel(cfg, settings.tensor_parallel, device, served.mode)
     dtype = getattr(torch, settings.dtype)
     if settings.tensor_parallel > 1:
         from specserve.model.tp_processes import start_tensor_parallel
