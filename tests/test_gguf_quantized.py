@@ -216,3 +216,20 @@ def test_quantize_on_a_kept_folder_is_refused(kept):
     with pytest.raises(CliError) as e:
         serve_settings(args)
     assert str(e.value) == f"--quantize: {message}"
+
+
+def test_a_kept_folder_is_refused_for_tensor_parallelism(kept):
+    """Sharding kept int4 groups is not built: refused before any worker starts, and by load_model."""
+    from specserve.model.tensor_parallel import Shard
+    from specserve.model.transformer import CheckpointError, load_model
+    from specserve.serving.build import build_engine
+    from specserve.serving.settings import DeploymentSettings
+
+    _, out, _ = kept
+    with pytest.raises(ValueError) as e:
+        build_engine(DeploymentSettings(out, device="cpu", tensor_parallel=2, draft_policy="fixed"))
+    assert str(e.value) == "tensor_parallel=2 with quantize=int4 is not supported yet: serve the sharded target unquantized"
+    with pytest.raises(CheckpointError) as e:
+        load_model(out, shard=Shard(0, 2))
+    assert str(e.value) == (f"{out}: kept int4 projections cannot be sharded for tensor parallelism yet; "
+                            "import the GGUF without --keep-quantized")
