@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from conftest import make_tiny_checkpoint
+from conftest import make_served_checkpoint, make_tiny_checkpoint
 from specserve.core.forward import ForwardBatch
 from specserve.core.masks import build_mask, chain_parents
 from specserve.model.tiny import CORPUS, train_tiny_tokenizer
@@ -116,3 +116,38 @@ def test_distill_shards_are_read_as_prompt_plus_response(tmp_path):
     (shards / "shard-00001.jsonl.tmp").write_text("partial")   # a generator mid-write: left alone
     assert train_eagle3.distill_sequences(tmp_path / "d") == [[1, 2, 3], [4, 5, 6]]
     assert (shards / "shard-00001.jsonl.tmp").exists()
+
+
+def test_distill_prompts_are_the_items_prompts_seeded(tmp_path):
+    """The calibration head of a chat drafter is fit on the distill folder's own prompts (what the
+    server will see), never their responses: the ids before response_start, a seeded sample."""
+    shards = tmp_path / "d" / "shards"
+    shards.mkdir(parents=True)
+    rows = [json.dumps({"id": f"i{i}", "phase": "response", "source": "man", "messages": [
+        {"role": "user", "content": f"question {i}"}], "sampling": {"temperature": 0.0},
+        "prompt_ids": [10 * i, 10 * i + 1], "response_ids": [10 * i + 2]}) for i in range(5)]
+    (shards / "shard-00000.jsonl").write_text("\n".join(rows) + "\n")
+    got = train_eagle3.distill_prompts(tmp_path / "d", 3, seed=7)
+    assert len(got) == 3 and got == train_eagle3.distill_prompts(tmp_path / "d", 3, seed=7)
+    assert all(p in [[10 * i, 10 * i + 1] for i in range(5)] for p in got)
+    assert sorted(map(tuple, train_eagle3.distill_prompts(tmp_path / "d", 9, seed=0))) == \
+        [(10 * i, 10 * i + 1) for i in range(5)]
+
+
+def test_heldout_chat_prompts_are_rendered_by_the_chat_template(tmp_path):
+    """--heldout-chat: each conversation rendered by the target's chat template with the assistant
+    turn opened, tokenized as the OpenAI layer's preprocess does."""
+    from transformers import AutoTokenizer
+
+    ckpt = Path(make_served_checkpoint(tmp_path / "t", seed=5))
+    template = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("\n".join(json.dumps({"kind": "k", "messages": [{"role": "user", "content": c}]})
+                              for c in ("the cat", "a dog ran")) + "\n")
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    want = [tok(f"<s>user\n{c}</s>\n<s>assistant\n").input_ids for c in ("the cat", "a dog ran")]
+    assert train_eagle3.heldout_chat_prompts(ckpt, chat) == want
+    assert all(w[0] == tok.convert_tokens_to_ids("<s>") for w in want)

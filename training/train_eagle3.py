@@ -61,13 +61,41 @@ TTT_DECAY = 0.8   # weight of unrolled step k: 0.8^k (later steps are harder and
 
 # -- data ----------------------------------------------------------------------------------------
 
-def distill_sequences(folder: Path) -> list[list[int]]:
-    """prompt + response ids of every finished item of a distill_data.py output folder, read by
-    distill_corpus (read-only beside a running generator; held-out prompts refused again)."""
+def distill_items(folder: Path) -> list[distill_corpus.DistillSequence]:
+    """Every finished item of a distill_data.py output folder, read by distill_corpus (read-only
+    beside a running generator; held-out prompts refused again)."""
     seqs = distill_corpus.load(folder, heldout.HeldoutGuard(heldout.load_all()))
     if not seqs:
         raise SystemExit(f"{folder}: no finished shards")
-    return [s.tokens for s in seqs]
+    return seqs
+
+
+def distill_sequences(folder: Path) -> list[list[int]]:
+    """prompt + response ids of every finished item of a distill_data.py output folder."""
+    return [s.tokens for s in distill_items(folder)]
+
+
+def distill_prompts(folder: Path, n: int, seed: int) -> list[list[int]]:
+    """Up to n of the folder's prompts as the server sees them (chat-templated ids, ending with the
+    assistant turn's opening), a seeded sample: what the calibration head should be fit on when
+    the drafter serves chat. Training prompts only: distill_items refuses held-out ones."""
+    prompts = [s.tokens[:s.response_start] for s in distill_items(folder)]
+    random.Random(seed).shuffle(prompts)
+    return prompts[:max(0, n)]
+
+
+def heldout_chat_prompts(target_dir: Path, chat_file: Path) -> list[list[int]]:
+    """A held-out chat set (jsonl, one {"messages": [...]} per line) rendered by the target's chat
+    template as the OpenAI layer renders it, tokenized as preprocess does: for the calibration
+    report only (never fit on)."""
+    from transformers import AutoTokenizer
+
+    from specserve.openai.chat import ChatTemplate
+
+    template = ChatTemplate(target_dir)
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    rows = [json.loads(line) for line in chat_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [tok(template.render(r["messages"])).input_ids for r in rows]
 
 
 def token_counts(seqs: list[list[int]], vocab_size: int) -> torch.Tensor:
@@ -173,6 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--distill-dir", type=Path, default=None,
                     help="train on a training/distill_data.py output folder instead (its finished shards)")
     ap.add_argument("--heldout-file", type=Path, default=None, help="calibration report prompts (text)")
+    ap.add_argument("--heldout-chat", type=Path, default=None,
+                    help="calibration report prompts: a held-out chat set (jsonl of messages), rendered by "
+                         "the target's chat template (e.g. models/smollm2/heldout_chat.jsonl)")
     ap.add_argument("--work-dir", type=Path, default=None, help="checkpoints (default: checkpoints/eagle3-<name>)")
     ap.add_argument("--target-layers", type=int, nargs="+", default=None,
                     help="the fused layers as public hidden_states ids (id j = output of layer j - 1); "
@@ -275,10 +306,13 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(args.seed + 1)
     starts = [rng.randrange(0, len(stream) - args.seq_len) for _ in range(args.calib_prompts)]
     train_prompts = [stream[s:s + args.seq_len // 2] for s in starts]
-    # A distill folder counts as a custom corpus here: without --calib-prompts-file its windows
-    # are all we know about the traffic (serving_like_prompts returns none).
-    serving_like = e1.serving_like_prompts(tokenizer, args.calib_prompts_file, args.text_file or args.distill_dir,
-                                           args.calib_serving_prompts)
+    # A distill folder's own prompts are the traffic it was made for (chat-templated), unless
+    # --calib-prompts-file names other prompts.
+    if args.distill_dir is not None and args.calib_prompts_file is None:
+        serving_like = distill_prompts(args.distill_dir, args.calib_serving_prompts, args.seed + 2)
+    else:
+        serving_like = e1.serving_like_prompts(tokenizer, args.calib_prompts_file, args.text_file,
+                                               args.calib_serving_prompts)
     train_prompts += serving_like
     h, s, y = e1.collect_calibration(drafter, target, train_prompts, draft_len=args.calib_draft_len,
                                      new_tokens=args.calib_new_tokens, desc="calib-train")
@@ -286,7 +320,8 @@ def main(argv: list[str] | None = None) -> None:
     e1.fit_calibration(drafter.calibration, h, s, y, epochs=args.calib_epochs, seed=args.seed)
     drafter.calibration.requires_grad_(False)
     report = {"train": e1.calibration_report(drafter.calibration, h, s, y)}
-    heldout = e1.heldout_prompts(tokenizer, args.heldout_file)
+    heldout = (heldout_chat_prompts(args.target, args.heldout_chat) if args.heldout_chat is not None
+               else e1.heldout_prompts(tokenizer, args.heldout_file))
     if heldout:
         hh, hs, hy = e1.collect_calibration(drafter, target, heldout, draft_len=args.calib_draft_len,
                                             new_tokens=args.calib_new_tokens, desc="calib-heldout")
