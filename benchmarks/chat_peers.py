@@ -234,7 +234,16 @@ def missing(package: str, install: str) -> str | None:
     return None if importlib.util.find_spec(package) else f"the {package} package is not installed ({install})"
 
 
-def start_server(stack: ExitStack, dtype: str, env: dict) -> tuple[str, int]:
+def serve_flags(drafters: list[str]) -> tuple[str, ...]:
+    """c = 1: two KV slots are plenty; 2048 holds every held-out prompt and its answer. Drafters
+    only where a method needs one (--drafter METHOD=DIR, as `specserve serve` takes them)."""
+    base = ("--max-num-seqs", "2", "--max-model-len", "2048")
+    if not drafters:
+        return (*base, "--no-drafters")
+    return (*base, *(a for d in drafters for a in ("--drafter", d)))
+
+
+def start_server(stack: ExitStack, dtype: str, env: dict, flags: tuple[str, ...]) -> tuple[str, int]:
     """One `specserve serve --openai-port` for this target dtype: (gRPC url, OpenAI port)."""
     from specserve.cli.serve_process import serve_process
 
@@ -243,17 +252,13 @@ def start_server(stack: ExitStack, dtype: str, env: dict) -> tuple[str, int]:
     stack.callback(shutil.rmtree, work, ignore_errors=True)   # after the server stops (its log is serve's output)
     served = stack.enter_context(serve_process(
         [sys.executable, "-m", "specserve.cli.main"], "--target", str(TARGET), "--dtype", dtype,
-        *SERVE_FLAGS, "--openai-port", "0", "--work-dir", str(work), env=env, ready_timeout=900))
+        *flags, "--openai-port", "0", "--work-dir", str(work), env=env, ready_timeout=900))
     port = served.openai_port()
     served.keep_reading()
     stack.callback(served.stop)
     print(f"chat_peers: specserve {dtype} ready (gRPC localhost:{served.ports.grpc}, OpenAI {port}; "
           f"work dir {work})", flush=True)
     return f"localhost:{served.ports.grpc}", port
-
-
-# c = 1: two KV slots are plenty; 2048 holds every held-out prompt and its answer.
-SERVE_FLAGS = ("--max-num-seqs", "2", "--max-model-len", "2048", "--no-drafters")
 
 
 def machine(cores: list[int], loadavg_start: tuple[float, float, float]) -> dict:
@@ -366,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="pin the run (servers and peers) to this many cores; every system gets as many threads")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--methods", default="none,ngram")
+    p.add_argument("--drafter", action="append", default=[], metavar="METHOD=DIR",
+                   help="serve this trained drafter (as `specserve serve --drafter`), for --methods that "
+                        "need one, e.g. eagle=models/smollm2/eagle (repeatable; none: no drafters)")
     p.add_argument("--peers", default="hf,llama", help="comma list of peers to run: hf (transformers), llama (llama.cpp)")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "smollm2" / "peers_cpu",
                    help="writes OUT.json and OUT.md (default: beside docs/smollm2/peers.md)")
@@ -397,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     add_peers(peer_systems, skipped, peers, args.dtypes, threads)
     with ExitStack() as stack:
         for dtype in args.dtypes:
-            url, port = start_server(stack, dtype, env)
+            url, port = start_server(stack, dtype, env, serve_flags(args.drafter))
             for method in args.methods:
                 systems[f"specserve_openai_{method}_{dtype}"] = openai_runner(port, method)
                 systems[f"specserve_grpc_{method}_{dtype}"] = grpc_runner(url, method)
@@ -408,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": " ".join(shlex.quote(a) for a in ["python", "benchmarks/chat_peers.py", *sys.argv[1:]]),
               "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "machine": machine(cores, loadavg_start),
               "settings": {"new_tokens": args.new_tokens, "kinds": sorted({p.kind for p in prompts}), "threads": threads,
-                           "dtypes": args.dtypes, "methods": args.methods, "serve_flags": list(SERVE_FLAGS),
+                           "dtypes": args.dtypes, "methods": args.methods, "serve_flags": list(serve_flags(args.drafter)),
                            "llama_cpp_lookup": LOOKUP, "concurrency": 1, "temperature": 0},
               "prompts": [{"index": p.index, "kind": p.kind, "messages": p.messages, "num_prompt_tokens": len(p.ids)}
                           for p in prompts],

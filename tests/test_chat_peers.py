@@ -59,3 +59,9 @@ def test_overhead_is_extra_time_per_openai_chunk_and_the_share_of_tokens_per_s(b
 def test_overhead_pairs_the_same_requests(bench):
     with pytest.raises(ValueError):
         bench.overhead([record(0, 0.0, [1.0], 1)], [])
+
+
+def test_serve_flags_serve_drafters_only_when_named(bench):
+    assert bench.serve_flags([]) == ("--max-num-seqs", "2", "--max-model-len", "2048", "--no-drafters")
+    assert bench.serve_flags(["eagle=models/smollm2/eagle"]) == (
+        "--max-num-seqs", "2", "--max-model-len", "2048", "--drafter", "eagle=models/smollm2/eagle")
