@@ -14,11 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
-import torch
-
-from specserve.core.sampling import SamplingParams
+from specserve.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    # Annotations only: the Triton drafter adapters that build Drafts (mtp_arbiter) run without torch.
+    import torch
+
     from specserve.core.kv_cache import KVCache
     from specserve.core.repetition import RepetitionGuard
     from specserve.core.static_step import StaticOutcome, StaticRow

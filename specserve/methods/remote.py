@@ -37,6 +37,7 @@ import torch
 
 from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, ProposerUnavailable, StepOutcome
 from specserve.methods import row_sampling
+from specserve.methods.calibration_cut import calibration_cut
 
 log = logging.getLogger("specserve.remote")
 
@@ -220,18 +221,3 @@ class RemoteProposer(ProposerDefaults):
             self._release([seq_id])
         except Exception as e:  # noqa: BLE001 — an unloaded drafter has no state to free
             log.info("%s: release of sequence %d not delivered (%s)", self.name, seq_id, e)
-
-
-def calibration_cut(tokens: np.ndarray, probs: np.ndarray | None, threshold: float | None) -> list[int]:
-    """A remote chain [K] (-1 padded) cut where the calibration head's cumulative acceptance
-    probability (probs [K]) falls below the threshold; no threshold or no probs: the whole chain."""
-    keep, cum = [], 1.0
-    for j, t in enumerate(tokens.tolist()):
-        if t < 0:
-            break
-        if probs is not None and threshold:
-            cum *= float(probs[j])
-            if cum < threshold:
-                break
-        keep.append(int(t))
-    return keep

@@ -27,15 +27,11 @@ from typing import Sequence
 import torch
 
 from specserve.methods.mtp.arbiter import ArbiterConfig, Candidate, arbitrate
-from specserve.methods.mtp.options import MEMBERS, PROPOSERS as PROPOSERS_OPTION, TREE_BUDGET
+from specserve.methods.mtp.options import PROPOSERS as PROPOSERS_OPTION, SUBPROPOSERS, TREE_BUDGET
 from specserve.core.proposer import Draft, DraftRequest, Proposer, ProposerDefaults, ProposerError, StepOutcome
 
 log = logging.getLogger("specserve.mtp")
 
-# Every sub-proposer `mtp` knows, in tie-break order: the mtp spec's members. A deployment serves
-# those it has (the MTP heads and the draft model need trained weights; eagle its drafter; ngram
-# needs nothing).
-SUBPROPOSERS = tuple(m.name for m in MEMBERS)
 # Per-request options (sampling_parameters keys, through DraftRequest.options).
 OPT_PROPOSERS, OPT_BUDGET = PROPOSERS_OPTION.key, TREE_BUDGET.key
 DEFAULT_DEPTH = 8   # tokens drafted per sub-proposer per step, at most

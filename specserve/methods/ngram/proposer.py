@@ -8,25 +8,13 @@ at index 0, so the draft is what followed: [c d a b …] up to max_draft_len tok
 from __future__ import annotations
 
 from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults
-
-
-def lookup(tokens: list[int], *, max_n: int, min_n: int, k: int) -> list[int]:
-    L = len(tokens)
-    for n in range(min(max_n, L - 1), min_n - 1, -1):
-        tail = tokens[L - n:]
-        # Scan right to left for the latest match that is not the tail itself.
-        for start in range(L - n - 1, -1, -1):
-            if tokens[start:start + n] == tail:
-                follow = tokens[start + n:start + n + k]
-                if follow:
-                    return follow
-    return []
+from specserve.methods.ngram.lookup import MAX_N, MIN_N, NUM_DRAFT_TOKENS, lookup
 
 
 class NgramProposer(ProposerDefaults):
     name = "ngram"
 
-    def __init__(self, max_n: int = 3, min_n: int = 1, num_draft_tokens: int = 4):
+    def __init__(self, max_n: int = MAX_N, min_n: int = MIN_N, num_draft_tokens: int = NUM_DRAFT_TOKENS):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.max_n, self.min_n, self.k = max_n, min_n, num_draft_tokens

@@ -1,11 +1,11 @@
 """mtp_arbiter: merges the drafters' drafts of each row into one tree of at most the row's budget
-nodes (specserve.methods.mtp.arbiter via remote_mtp.arbitrate_batch). Stateless; every drafter
+nodes (specserve.methods.mtp.arbiter via remote_batch.arbitrate_batch). Stateless; every drafter
 input is optional (the engine's fallback calls it with the drafters that are still loaded)."""
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specserve.methods.mtp.remote import arbitrate_batch
+from specserve.methods.mtp.remote_batch import arbitrate_batch
 from specserve.triton import pb
 from specserve.serving import schema
 

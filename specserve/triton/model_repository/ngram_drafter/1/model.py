@@ -1,9 +1,9 @@
 """ngram_drafter: prompt-lookup drafts for each row of the mtp_proposal ensemble
-(specserve.methods.mtp.remote.ngram_batch). Stateless: it reads each row's tokens."""
+(specserve.methods.mtp.remote_batch.ngram_batch). Stateless: it reads each row's tokens."""
 
 import triton_python_backend_utils as pb_utils
 
-from specserve.methods.mtp.remote import ngram_batch
+from specserve.methods.mtp.remote_batch import ngram_batch
 from specserve.triton import pb
 from specserve.serving import schema
 
