@@ -261,6 +261,25 @@ def test_our_eagle3_checkpoint_round_trips_in_the_public_layout(target_path, tmp
         assert torch.equal(a[k], b[k]), k
 
 
+def test_a_bf16_stored_drafter_keeps_its_vocabulary_and_an_fp32_calibration_head(target_path, tmp_path):
+    """save_eagle(dtype=bfloat16): the weights are stored rounded to bf16 (what a committed drafter
+    ships), d2t / t2d keep their integer / bool dtypes and the calibration head stays fp32."""
+    from safetensors.torch import load_file
+    target = load_model(target_path)
+    drafter = random_eagle3(target, seed=3, draft_size=100)
+    save_eagle(drafter, json.loads(open(f"{target_path}/config.json").read()), tmp_path / "bf", dtype=torch.bfloat16)
+    stored = load_file(str(tmp_path / "bf" / "model.safetensors"))
+    assert stored["fc.weight"].dtype == torch.bfloat16 and stored["lm_head.weight"].dtype == torch.bfloat16
+    assert stored["d2t"].dtype == torch.int64 and stored["t2d"].dtype == torch.bool
+    assert {v.dtype for k, v in stored.items() if k.startswith("calibration.")} == {torch.float32}
+    again = load_eagle(tmp_path / "bf", target)   # cast to the fp32 target's dtype
+    a, b = drafter.state_dict(), again.state_dict()
+    for k in a:
+        want = a[k] if k.startswith("calibration.") or not a[k].is_floating_point() else \
+            a[k].to(torch.bfloat16).to(a[k].dtype)
+        assert torch.equal(b[k], want), k
+
+
 def test_features_of_the_wrong_width_are_a_proposer_error(target_path):
     """An EAGLE-3 drafter fed only the final hidden state (a composite that does not forward the
     layers it names) says what it reads instead of computing garbage."""

@@ -227,6 +227,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="checkpoint and exit at this step (to split a long run; rerun to resume)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--save-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="dtype of the written weights (bfloat16: half the size of a committed drafter; "
+                         "the calibration head stays fp32)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -327,10 +330,12 @@ def main(argv: list[str] | None = None) -> None:
                                             new_tokens=args.calib_new_tokens, desc="calib-heldout")
         report["heldout"] = e1.calibration_report(drafter.calibration, hh, hs, hy)
 
-    save_eagle(drafter, json.loads((args.target / "config.json").read_text()), args.out)
+    save_eagle(drafter, json.loads((args.target / "config.json").read_text()), args.out,
+               dtype=getattr(torch, args.save_dtype))
     tail = log_rows[-20:]
     summary = {"target": str(args.target), "steps": args.steps, "seq_len": args.seq_len, "batch": args.batch,
                "ttt_steps": args.ttt_steps, "draft_vocab_size": drafter.draft_vocab_size,
+               "saved_dtype": args.save_dtype,
                "draft_vocab_coverage": round(float(token_counts([stream] + extra, V)[drafter.t2d].sum())
                                              / max(1, sum(len(s) for s in [stream] + extra)), 4),
                "target_layers": [i + 1 for i in layers],

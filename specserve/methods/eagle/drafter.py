@@ -125,9 +125,12 @@ def load_eagle(path: str | Path, target: Transformer, dtype: torch.dtype | None 
     return drafter.eval().requires_grad_(False)
 
 
-def save_eagle(drafter: "EagleDrafter | Eagle3Drafter", target_config: dict, path: str | Path) -> None:
+def save_eagle(drafter: "EagleDrafter | Eagle3Drafter", target_config: dict, path: str | Path,
+               dtype: torch.dtype = torch.float32) -> None:
     """Write the drafter in its public layout (separate q/k/v, gate/up) plus calibration.*: the
-    EAGLE-1 one for an EagleDrafter, the EAGLE-3 one (with d2t, t2d) for an Eagle3Drafter."""
+    EAGLE-1 one for an EagleDrafter, the EAGLE-3 one (with d2t, t2d) for an Eagle3Drafter.
+    dtype: the stored weights' (bfloat16 halves a committed drafter; load_eagle casts to the
+    drafting dtype either way). The calibration head is always stored in fp32, as it computes."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -136,8 +139,8 @@ def save_eagle(drafter: "EagleDrafter | Eagle3Drafter", target_config: dict, pat
     state = {}
     for k, v in drafter.state_dict().items():
         v = v.detach().contiguous()
-        if v.is_floating_point():
-            v = v.to(torch.float32)   # d2t (int64) and t2d (bool) keep their dtypes
+        if v.is_floating_point():   # d2t (int64) and t2d (bool) keep their dtypes
+            v = v.to(torch.float32 if k.startswith("calibration.") else dtype)
         if k.endswith("qkv_proj.weight") or k.endswith("qkv_proj.bias"):
             kind = k.rsplit(".", 1)[1]
             prefix = k[: -len(f"qkv_proj.{kind}")]
