@@ -74,8 +74,11 @@ def test_greedy_eagle3_with_a_reduced_vocabulary_equals_plain_decoding(target_pa
     from specserve.methods.eagle.calibration import CalibrationHead
     prop = engine.proposers["eagle"]
     h = torch.randn(3, target.cfg.hidden_size)
-    logits, logits_d = prop._logits(h)
+    logits_d = prop._draft_logits(h)
+    logits = prop._to_target(logits_d)
     assert logits.shape[-1] == target.cfg.vocab_size and logits_d.shape[-1] == 128
+    # A greedy row's pick over the draft vocabulary, mapped through d2t, is the full view's argmax.
+    assert [prop._draft_ids[i] for i in logits_d.argmax(-1).tolist()] == logits.argmax(-1).tolist()
     assert bool(torch.isfinite(prop._calibrate(h, logits_d, 0)).all())
     assert bool(torch.isnan(CalibrationHead.scalar_features(logits, 0)).any())
     ids = set(drafter.target_ids().tolist())

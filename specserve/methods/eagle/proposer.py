@@ -62,6 +62,8 @@ class EagleProposer(ProposerDefaults):
         same = self.dtype == target.dtype
         self._embed_w = target.embed_tokens.weight if same else target.embed_tokens.weight.to(self.dtype)
         self._own_head = isinstance(drafter, Eagle3Drafter)
+        # Draft id → target id ([Vd], for greedy picks), None when the two are the same ids.
+        self._draft_ids = drafter.target_ids().tolist() if self._own_head else None
         self._head_w = None if self._own_head else \
             target.lm_head.weight if same else target.lm_head.weight.to(self.dtype)
         D = drafter.cfg.hidden_size
@@ -143,16 +145,23 @@ class EagleProposer(ProposerDefaults):
         for j in range(max(limits, default=0)):
             if not any(active):
                 break
-            logits, logits_d = self._logits(h)  # [B, V] over target ids; [B, Vd] the drafter's own
+            # [B, Vd] the drafter's own logits; [B, V] over target ids only where a sampled or
+            # seeded row needs the target vocabulary (greedy rows pick over the draft vocabulary).
+            logits_d = self._draft_logits(h)
+            logits = self._to_target(logits_d) if any(
+                a and (r.generator is not None or r.seed is not None) for a, r in zip(active, requests)) else None
             p_accept = self._calibrate(h, logits_d, j) if calibrate else None
             picked = []
             for b, r in enumerate(requests):
                 if not active[b]:
                     picked.append(0)
                     continue
-                if r.generator is None:   # greedy, or seeded: the coupled choice at this position
-                    tok = (int(logits[b].argmax()) if r.seed is None
-                           else seeded_tokens(logits[b:b + 1], r.params, [len(r.token_ids) + j])[0])
+                if r.generator is None and r.seed is None:   # greedy: the argmax, as a target id
+                    i = int(logits_d[b].argmax())
+                    tok = i if self._draft_ids is None else int(self._draft_ids[i])
+                    q, lp = None, float(logits_d[b, i] - logits_d[b].logsumexp(-1))
+                elif r.generator is None:   # seeded: the coupled choice at this position
+                    tok = seeded_tokens(logits[b:b + 1], r.params, [len(r.token_ids) + j])[0]
                     q, lp = None, float(logits[b, tok] - logits[b].logsumexp(-1))
                 else:
                     q = target_probs(logits[b:b + 1], r.params)[0]
@@ -180,13 +189,15 @@ class EagleProposer(ProposerDefaults):
         return [Draft.chain(t, torch.stack(p) if p else None, lp if len(lp) == len(t) else None)
                 for t, p, lp in zip(tokens, probs, logps)]
 
-    def _logits(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [B, D] → (logits over the target vocabulary [B, V], over the drafter's own [B, Vd])."""
+    def _draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [B, D] → logits over the drafter's vocabulary [B, Vd] (EAGLE-1: the target's, V)."""
         if not self._own_head:
-            logits = F.linear(h, self._head_w).float()  # the target's LM head: the two are one
-            return logits, logits
-        logits_d = self.drafter.draft_logits(h)
-        return self.drafter.to_target(logits_d), logits_d
+            return F.linear(h, self._head_w).float()  # the target's LM head
+        return self.drafter.draft_logits(h)
+
+    def _to_target(self, logits_d: torch.Tensor) -> torch.Tensor:
+        """[B, Vd] → [B, V] over target ids (-inf outside a reduced draft vocabulary)."""
+        return logits_d if not self._own_head else self.drafter.to_target(logits_d)
 
     def threshold_for(self, r: DraftRequest) -> float | None:
         if self.drafter.calibration is None:
