@@ -9,13 +9,19 @@ At batch 1, 4 and 16 (contexts of --context tokens):
   - dspark vs dynamic eagle: mean step time and the standard deviation of step time (= inter-token
     latency std, one streamed response per step) over a generation, with a random-weight EAGLE
     drafter of the same shape and a fixed draft length (random drafts are rarely accepted, so
-    this times the machinery, not acceptance).
+    this times the machinery, not acceptance);
+  - tensor parallelism with N = the number of GPUs this machine has (the largest N up to it that
+    divides the heads, said when smaller), NCCL: a random 2-layer Llama-3-8B-shaped checkpoint
+    (vocabulary 32000) served whole on cuda:0 and sharded over cuda:0 … N−1: the largest logit
+    difference, whether greedy decoding agrees, and ms per decoded token of each. On a machine
+    with one GPU (or on CPU) it is skipped, and the report and the table say why.
 Weights are random: figures are timings only. Writes table.md and timing.json under --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -34,6 +40,11 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0)
 
 
+# The tensor-parallel check's target: Llama-3-8B's layer shape, 2 layers and a 32000 vocabulary so
+# that writing its checkpoint takes seconds.
+TP_SHAPE = {**LLAMA3_8B, "num_hidden_layers": 2, "vocab_size": 32000}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
@@ -45,6 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=20, help="timed replays per step-time cell")
     p.add_argument("--tiny", action="store_true", help="a tiny model (CPU test of this script)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers generate")
+    p.add_argument("--no-tp", action="store_true", help="skip the tensor-parallel check")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     args.batches = [int(x) for x in args.batches.split(",")]
@@ -195,6 +207,68 @@ def methods(model, args) -> dict:
     return out
 
 
+def _tp_world(gpus: int, cfg: dict) -> int:
+    """The largest N <= gpus that divides the query heads, the KV heads and the MLP width."""
+    return max(n for n in range(1, gpus + 1) if not (cfg["num_attention_heads"] % n or cfg["num_key_value_heads"] % n
+                                                     or cfg["intermediate_size"] % n))
+
+
+def tensor_parallel_check(args) -> dict:
+    """N = this machine's GPU count: logits and greedy decoding of the sharded target against the
+    whole one, and ms per decoded token of each. {"skipped": why} where it cannot run. Rank r
+    runs on --device's index + r."""
+    if not model_device_is_cuda(args):
+        return {"skipped": f"not on CUDA (--device {args.device}): NCCL needs GPUs"}
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        return {"skipped": f"this machine has {gpus} GPU; tensor parallelism needs 2 or more"}
+    import tempfile
+
+    import transformers
+
+    from specserve.core.engine import GenerationRequest
+    from specserve.core.sampling import SamplingParams
+    from specserve.model.tp_processes import start_tensor_parallel
+    from specserve.model.transformer import load_model
+
+    shape = {**hf_config(args), **({} if args.tiny else TP_SHAPE)}
+    device = torch.device(args.device)
+    device = torch.device(device.type, device.index or 0)   # rank r on device index + r
+    world = _tp_world(gpus, shape)
+    print(f"gpu_check: tensor-parallel check with N = {world} (this machine has {gpus} GPUs)", flush=True)
+    dtype = getattr(torch, args.dtype)
+    out = {"gpus": gpus, "world": world,
+           "model": "tiny random llama" if args.tiny else "random 2-layer Llama-3-8B shape, vocabulary 32000"}
+    with tempfile.TemporaryDirectory(prefix="gpu-check-tp-") as ckpt:
+        torch.manual_seed(0)
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).to(dtype)
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.normal_(0, 0.02)
+        hf.save_pretrained(ckpt)
+        del hf
+        whole = load_model(ckpt, dtype=dtype, device=device)
+        sharded = start_tensor_parallel(ckpt, world, dtype=dtype, device=device)
+        try:
+            tokens = torch.randint(3, shape["vocab_size"], (2, 64), generator=torch.Generator().manual_seed(0))
+            with torch.inference_mode():
+                diff = (whole.score(tokens.to(device)).float() - sharded.score(tokens.to(device)).float()).abs().max()
+            out["max_abs_logit_diff"] = round(float(diff), 4)
+            greedy, ms = {}, {}
+            for name, model in (("1", whole), (str(world), sharded)):
+                engine = _engine(model, {}, 1, 256, 1)
+                reqs = [GenerationRequest("r", tokens[0].tolist(), SamplingParams(max_tokens=64, ignore_eos=True),
+                                          "none")]
+                greedy[name] = engine.generate(reqs)["r"].new_token_ids
+                ms[name] = _timed_generation(engine, [dataclasses.replace(reqs[0], request_id="t")],
+                                             model.device)["step_ms"]
+            out["greedy_equal"] = greedy["1"] == greedy[str(world)]
+            out["ms_per_token"] = ms
+        finally:
+            sharded.close()
+    return out
+
+
 def hf_generate(args) -> dict:
     """transformers generate, greedy, static cache, random weights of the same shape."""
     import transformers
@@ -236,6 +310,18 @@ def build_table(report: dict, args) -> str:
         lines.append(f"| {B} | {m['none']['tokens_per_s']} | {hf if hf else '-'} | {ratio} | "
                      f"{m['eagle']['step_ms']} ({m['eagle']['step_std_ms']}) | "
                      f"{m['dspark']['step_ms']} ({m['dspark']['step_std_ms']}) | {std:.2f} |")
+    tp = report.get("tensor_parallel")
+    if tp is not None:
+        lines += ["", "## Tensor parallelism (NCCL)", ""]
+        if "skipped" in tp:
+            lines.append(f"Skipped: {tp['skipped']}.")
+        else:
+            w = str(tp["world"])
+            lines += [f"{tp['model']}, N = {w} on a machine with {tp['gpus']} GPUs.", "",
+                      "| N | ms per decoded token (batch 1) |", "|---|---|",
+                      f"| 1 | {tp['ms_per_token']['1']} |", f"| {w} | {tp['ms_per_token'][w]} |", "",
+                      f"Largest logit difference against N = 1: {tp['max_abs_logit_diff']} ({args.dtype}); "
+                      f"greedy decoding equal: {tp['greedy_equal']}."]
     return "\n".join(lines) + "\n"
 
 
@@ -257,6 +343,10 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()  # between benchmarks, not on a serving path: make room for the HF copy
     if not args.no_hf:
         report["hf_generate"] = hf_generate(args)
+    if not args.no_tp:
+        report["tensor_parallel"] = tensor_parallel_check(args)
+        if "skipped" in report["tensor_parallel"]:
+            print(f"gpu_check: tensor-parallel check skipped: {report['tensor_parallel']['skipped']}", flush=True)
     table = build_table(report, args)
     print(table)
     if args.out:

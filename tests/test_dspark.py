@@ -253,3 +253,6 @@ def test_gpu_check_table_on_a_tiny_model(tmp_path):
     assert set(report["step_ms"]) == {f"B={b},K={k}" for b in (1, 2) for k in (0, 1, 2)}
     assert "| 2 |" in table and "dspark / eagle ITL std" in table
     assert set(report["methods"]["B=2"]) == {"none", "eagle", "dspark"}
+    # The tensor-parallel check needs CUDA: on CPU it skips, and the report and the table say why.
+    assert report["tensor_parallel"] == {"skipped": "not on CUDA (--device cpu): NCCL needs GPUs"}
+    assert "Skipped: not on CUDA (--device cpu): NCCL needs GPUs." in table

@@ -7,7 +7,11 @@ biases) checkpoints.
 - an in-process engine built with tensor_parallel=2 decodes greedily token for token as N = 1
   does, for every method (none, ngram, eagle, dspark, mtp, dflash, draft);
 - a killed worker fails the in-flight request with an error naming it, and every later step
-  at once (no hang);
+  at once (no hang); the verifier service then refuses every request with it and says so once
+  (on_broken); through tritonserver target_verifier unloads itself (not ready) and a load of it
+  serves again;
+- sampled output at N = 2 (eagle, draft) follows the exact target joint distribution
+  (test_eagle's two_token_joint_tv);
 - sizes that cannot shard are refused with a message saying why;
 - through tritonserver (rank 0 inside target_verifier), every method's greedy text equals the
   in-process N = 1 engine's.
@@ -211,3 +215,135 @@ def test_every_method_through_tritonserver_equals_one_rank(tmp_path):
         got = {m: client.generate(prompt, {"max_tokens": N_TOKENS, "spec_method": m}).text for m in want}
     assert set(got) == {"none", "ngram", "eagle", "dspark", "mtp", "dflash", "draft"} and got == want
     assert "tensor-parallel target: 2 ranks" in (tmp_path / "tritonserver.log").read_text()
+
+
+def dead_worker_error(pid: int) -> str:
+    return (f"tensor-parallel worker rank 1 (pid {pid}) exited with code -9: the 2-way tensor-parallel target "
+            "cannot run without it; reload the model to start new workers")
+
+
+def test_a_dead_worker_breaks_the_service_for_good(served, tmp_path, monkeypatch):
+    """The verifier service over a 2-way target: a worker killed mid-stream ends the stream with the
+    error, calls on_broken once (the adapter's unload) and refuses every later request with it."""
+    from specserve.core.engine import RequestRejected
+    from specserve.serving.params import RequestConfig
+    from specserve.serving.verifier_service import ENGINE_FAILED, HOLD_FILE_ENV, VerifierService
+    from test_triton_adapters import FakeSender
+
+    hold = tmp_path / "hold"
+    hold.touch()   # after its first token the stream takes no step: it is in flight when the worker dies
+    monkeypatch.setenv(HOLD_FILE_ENV, str(hold))
+    broken: list[str] = []
+    service = VerifierService(lambda: build_engine(settings_for(served, 2))[0], on_broken=broken.append)
+    try:
+        sender = FakeSender()
+        first = threading.Event()
+        sender.send = lambda r, send=sender.send: (send(r), first.set())
+        service.submit(PROMPTS[0], RequestConfig(sampling={"max_tokens": 64}, stream=True), sender)
+        assert first.wait(WAIT_S)
+        (pid,) = service.engine.model.worker_pids
+        os.kill(pid, signal.SIGKILL)
+        assert sender.done.wait(WAIT_S)   # the watcher saw the death: no step needed
+        why = dead_worker_error(pid)
+        final = sender.responses[-1]
+        assert final.final and final.meta.error == ENGINE_FAILED.format(why) and not sender.errors
+        assert broken == [why] and service.broken == why
+        with pytest.raises(RequestRejected) as refused:
+            service.submit([1, 2, 3], RequestConfig(sampling={"max_tokens": 2}), FakeSender())
+        assert str(refused.value) == why
+    finally:
+        service.stop()   # stops the target's workers too
+
+
+def test_a_dead_worker_turns_target_verifier_not_ready_and_a_load_serves_again(tmp_path, monkeypatch):
+    """Through tritonserver (explicit model control, as `specserve serve` runs it): a worker killed
+    mid-stream ends the stream with the error, target_verifier unloads itself (not ready), and
+    model control's load of it serves again, the same text as before."""
+    import queue
+    import re
+    import time
+
+    import tritonclient.grpc as grpcclient
+
+    from conftest import running_server
+    from specserve.cli.main import SERVE_TRITON_ARGS
+    from specserve.triton.client import CompletionError, StreamClient
+    from specserve.triton.render import render_repository
+    from specserve.serving.verifier_service import HOLD_FILE_ENV
+
+    ckpt = make_served_checkpoint(tmp_path / "target", "llama", seed=7, **FAMILIES["llama"])
+    settings = DeploymentSettings(checkpoint=ckpt, tensor_parallel=2, max_num_seqs=2, max_model_len=128, device="cpu",
+                                  draft_policy="fixed")
+    hold = tmp_path / "hold"
+    monkeypatch.setenv(HOLD_FILE_ENV, str(hold))   # tritonserver and its models inherit it
+    prompt, sampling = "The quick brown fox jumps over the lazy dog. The quick brown", {"max_tokens": N_TOKENS}
+    log = tmp_path / "tritonserver.log"
+    with running_server(render_repository(settings, tmp_path / "model_repository"), tmp_path,
+                        SERVE_TRITON_ARGS) as server:
+        client, admin = grpcclient.InferenceServerClient(server.grpc_url), server.admin_headers
+        want = StreamClient(server.grpc_url).generate(prompt, sampling).text
+        (pid,) = map(int, re.findall(r"worker pids \[(\d+)\]", log.read_text()))
+
+        hold.touch()   # after its first token the stream takes no step: in flight when the worker dies
+        started, result = threading.Event(), queue.Queue()
+
+        def stream():
+            try:
+                result.put(StreamClient(server.grpc_url).generate(prompt, {"max_tokens": 64}, timeout=600,
+                                                                   on_chunk=lambda c: started.set()))
+            except CompletionError as e:
+                result.put(e)
+
+        threading.Thread(target=stream, daemon=True).start()
+        assert started.wait(120)
+        os.kill(pid, signal.SIGKILL)
+        got = result.get(timeout=120)
+        assert isinstance(got, CompletionError)
+        assert str(got) == f"in ensemble 'llm', the engine failed while running this request: {dead_worker_error(pid)}"
+        deadline = time.monotonic() + 120   # a bound on the unload, not a timing assumption
+        while client.is_model_ready("target_verifier"):
+            assert time.monotonic() < deadline, "target_verifier still ready after its worker died"
+            time.sleep(0.2)
+        assert not client.is_model_ready("llm")
+        hold.unlink()
+
+        client.load_model("target_verifier", headers=admin)   # new engine, new worker
+        assert client.is_model_ready("target_verifier")
+        assert StreamClient(server.grpc_url).generate(prompt, sampling).text == want
+    text = log.read_text()
+    assert "target_verifier unloads itself: Triton reports it not ready until model control loads it again" in text
+    assert len(re.findall(r"tensor-parallel target: 2 ranks", text)) == 2
+
+
+# -- sampled output at N = 2: test_eagle's joint-distribution check -----------------------------------
+
+@pytest.fixture(scope="module")
+def small_tp(tmp_path_factory):
+    """test_eagle's vocab-8 target, whole (for the exact joint) and sharded over 2 ranks."""
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("tp-small") / "t", "llama", vocab_size=8, seed=5)
+    target = start_tensor_parallel(ckpt, 2)
+    yield load_model(ckpt), target
+    target.close()
+
+
+@pytest.mark.parametrize("method", ["eagle", "draft"])
+def test_sampled_output_at_two_ranks_follows_the_target_distribution(small_tp, tmp_path, method):
+    """The joint of tokens 2 and 3 (drafted and verified in one step) generated by the 2-way
+    target against the exact joint of the whole target: test_eagle.two_token_joint_tv, with its
+    3000 requests and its bound. That the check catches a broken sampler is shown where it is
+    defined for one rank (test_mtp's and test_eagle3's broken variants); what N = 2 adds is the
+    sharded target's probabilities, the same check's input."""
+    from specserve.methods.draft.proposer import DraftModelProposer
+    from specserve.methods.eagle.proposer import EagleProposer
+    from test_eagle import two_token_joint_tv
+
+    whole, target = small_tp
+    cfg = dict(max_num_seqs=64, max_model_len=256, max_draft_len=2)
+    if method == "eagle":
+        proposer = EagleProposer(random_drafter(whole, seed=2, calibration=False), target, threshold=None, **cfg)
+    else:
+        draft = load_model(make_tiny_checkpoint(tmp_path / "d", "llama", vocab_size=8, seed=9))
+        proposer = DraftModelProposer(draft, **cfg)
+    engine = Engine(target, EngineConfig(**cfg), {method: proposer}, eos_token_ids=())
+    tv = two_token_joint_tv(whole, engine, method)
+    assert tv < 0.06, f"total variation {tv:.4f}"

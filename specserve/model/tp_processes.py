@@ -381,10 +381,23 @@ class TensorParallelTarget:
             # does); wait for that, bounded, to name it.
             closed = wait([w.conn for w in self._workers], timeout=DEATH_WAIT_S)
             dead = [d for w in self._workers if (d := w.wait_death() if w.conn in closed else w.death())]
-            self._failed = (f"{'; '.join(dead) if dead else why}: the {self.world}-way tensor-parallel target "
-                            "cannot run without it; reload the model to start new workers")
+            self._failed = self._failure("; ".join(dead) if dead else why)
             log.error("%s", self._failed)
         return TensorParallelError(self._failed)
+
+    def _failure(self, why: str) -> str:
+        return (f"{why}: the {self.world}-way tensor-parallel target cannot run without it; reload the model "
+                "to start new workers")
+
+    def health(self) -> str | None:
+        """Why this target cannot run (the error its next forward would raise), or None while every
+        worker lives. Reads only (a reap of a worker that exited): any thread may ask, between
+        steps or during one, and the server's watcher does, so a worker that dies while the server
+        idles is noticed before a request finds it."""
+        if self._failed is not None:
+            return self._failed
+        dead = [d for w in self._workers if (d := w.death())]
+        return self._failure("; ".join(dead)) if dead else None
 
 
 def start_tensor_parallel(checkpoint: str | Path, world: int, *, dtype: torch.dtype = torch.float32,

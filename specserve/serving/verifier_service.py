@@ -14,6 +14,12 @@ A send that raises (client gone) cancels the request too.
 
 A request the ENGINE ends early (an error in its row, the drain time running out at shutdown)
 always gets an error response saying why, never something that looks like a normal completion.
+
+A target that cannot run any more (a tensor-parallel worker died: TensorParallelError, or the
+watcher thread finding a dead worker between steps) breaks the service for good: the requests in
+flight end with the error, every later submit is refused with it at once, and `on_broken(why)`
+is called once, where the Triton adapter unloads the model so that Triton reports it not ready
+and its model control can load it again (a new engine, new workers).
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from specserve.core.engine import (FINISH_ABORT, FINISH_ERROR, Engine, Generatio
                               RequestRejected, ServerBusy)
 from specserve.core.engine_loop import EngineLoop, LoopState
 from specserve.core.sampling import SamplingParams
+from specserve.model.tensor_parallel import TensorParallelError
+from specserve.model.tp_processes import TensorParallelTarget
 from specserve.serving.detokenize import ResponseMeta, TokenWindow, make_window
 from specserve.serving.params import RequestConfig
 
@@ -40,6 +48,8 @@ CANCEL_POLL_S = 0.1
 # Test hook: while the file this names exists, the engine takes no decoding step (EngineLoop's
 # `hold`), so a test can keep a request in flight for as long as it needs, whatever the load.
 HOLD_FILE_ENV = "SPECSERVE_TEST_HOLD_FILE"
+# What a request ended by a failed engine hears, whichever thread noticed the failure first.
+ENGINE_FAILED = "the engine failed while running this request: {}"
 
 
 def _test_hold() -> Callable[[], bool] | None:
@@ -74,7 +84,7 @@ class MetricsSink(Protocol):
     # Optional (looked up with getattr): accepted_by_proposer(method, tier, counts), and
     # policy(verify_slowdown, estimates): the adaptive draft policy's verify slowdown and its
     # draft_policy.ProposerEstimate by proposer name, after every step.
-    def rejected(self, reason: str) -> None: ...   # "busy" | "invalid" | "draining"
+    def rejected(self, reason: str) -> None: ...   # "busy" | "invalid" | "draining" | "unavailable"
 
 
 @dataclass
@@ -107,9 +117,13 @@ class _Stream:
 
 
 class VerifierService:
-    def __init__(self, engine: Engine | Callable[[], Engine], metrics: MetricsSink | None = None):
-        """`engine` may be a factory, so the engine is built on the loop thread that runs it."""
+    def __init__(self, engine: Engine | Callable[[], Engine], metrics: MetricsSink | None = None,
+                 on_broken: Callable[[str], None] | None = None):
+        """`engine` may be a factory, so the engine is built on the loop thread that runs it.
+        `on_broken(why)`: called once, from the thread that noticed, when the target can no longer run."""
         self.metrics = metrics
+        self._on_broken = on_broken
+        self.broken: str | None = None   # why the target cannot run, once it cannot
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -148,7 +162,8 @@ class VerifierService:
             with self._lock:
                 del self._streams[rid]
             if self.metrics is not None and isinstance(e, RequestRejected):
-                reason = "busy" if isinstance(e, ServerBusy) else "draining" if self._draining else "invalid"
+                reason = ("busy" if isinstance(e, ServerBusy) else "unavailable" if self.broken is not None
+                          else "draining" if self._draining else "invalid")
                 _quietly(self.metrics.rejected, reason)
             raise
         self._on_state(self.loop.state())
@@ -182,6 +197,21 @@ class VerifierService:
             streams, self._streams = list(self._streams.values()), {}
         for s in streams:
             s.final(s.sender.send_error, "the server is shutting down")
+        if isinstance(self.engine.model, TensorParallelTarget):
+            self.engine.model.close()   # its workers stop with the model, not only when this process exits
+
+    def _break(self, why: str) -> None:
+        """The target cannot run any more: refuse every later request with `why`, end those in
+        flight with it, and tell the adapter (once)."""
+        with self._lock:
+            if self.broken is not None:
+                return
+            self.broken = why
+        log.error("the engine cannot run any more: %s", why)
+        self.loop.drain(why)
+        self.loop.cancel_all(ENGINE_FAILED.format(why))
+        if self._on_broken is not None:
+            _quietly(self._on_broken, why)
 
     # -- outputs out (engine thread) -------------------------------------------------------------
     def _on_output(self, out: RequestOutput) -> None:
@@ -243,8 +273,9 @@ class VerifierService:
         with self._lock:
             s = self._streams.pop(request_id, None)
         if s is not None:
-            self._end_with_error(s, f"the engine failed while running this request: {error}", "error",
-                                 {"tier": s.config.tier})
+            self._end_with_error(s, ENGINE_FAILED.format(error), "error", {"tier": s.config.tier})
+        if isinstance(error, TensorParallelError):
+            self._break(str(error))
 
     @staticmethod
     def _end_with_error(s: _Stream, message: str, reason: str, stats: dict) -> None:
@@ -254,7 +285,12 @@ class VerifierService:
 
     # -- cancellation ----------------------------------------------------------------------------
     def _watch_cancellations(self) -> None:
+        """Also watches a tensor-parallel target's workers: one that dies while the server idles
+        turns the model not ready then, not when the next request finds it."""
+        target = self.engine.model if isinstance(self.engine.model, TensorParallelTarget) else None
         while not self._stopping.wait(CANCEL_POLL_S):
+            if target is not None and self.broken is None and (why := target.health()) is not None:
+                self._break(why)
             with self._lock:
                 streams = list(self._streams.values())
             for s in streams:

@@ -40,7 +40,8 @@ _COUNTERS = {
     "guard_activations": ("specserve_spec_decode_guard_activations_total",
                           "Times the repetition guard stepped a row aside to its fallback."),
     "rejected": ("specserve_request_rejected_total",
-                 "Requests refused at submission, by reason (busy: queue full; invalid; draining)."),
+                 "Requests refused at submission, by reason (busy: queue full; invalid; draining; "
+                 "unavailable: the engine cannot run, a tensor-parallel worker died)."),
 }
 _HISTOGRAMS = {
     "ttft": ("specserve_time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS),

@@ -85,3 +85,26 @@ def route_logging(level: int = logging.INFO) -> None:
         handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
         logger.addHandler(handler)
     logger.setLevel(level)
+
+
+def unload_later(model_name: str) -> None:
+    """Ask Triton to unload `model_name` (this very model, say), from a thread of its own: the
+    caller may be the engine thread, which the unload's finalize stops.
+
+    This tritonserver's Python backend cannot report a loaded model not ready (a model-defined
+    readiness check came to the backend later), so a model that cannot serve any more unloads
+    itself: Triton then reports it (and the ensembles it is a step of) not ready, and model
+    control's `load` builds it again. Needs explicit model control (`specserve serve` runs it);
+    in another mode the unload is refused, and that is logged."""
+    import threading
+
+    def unload() -> None:
+        logging.getLogger("specserve").error("%s unloads itself: Triton reports it not ready until model "
+                                             "control loads it again", model_name)
+        try:
+            pb_utils.unload_model(model_name=model_name)
+        except Exception as e:  # noqa: BLE001 — nothing more this model can do
+            logging.getLogger("specserve").error("%s could not unload itself (%s): it stays loaded and refuses "
+                                                 "every request until it is loaded again", model_name, e)
+
+    threading.Thread(target=unload, name="specserve-unload", daemon=True).start()

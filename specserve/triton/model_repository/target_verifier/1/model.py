@@ -65,7 +65,11 @@ class TritonPythonModel:
         # Remote proposers call their Triton models by BLS: the calls are made here, in the only
         # layer that touches Triton, and handed down to the builder.
         remote = bls.remote_calls()
-        self.service = VerifierService(lambda: build_engine(settings, remote)[0], self.metrics)
+        # A target that cannot run any more (a tensor-parallel worker died) unloads this model:
+        # Triton then reports it not ready, and model control's load builds a new engine.
+        name = args["model_name"]
+        self.service = VerifierService(lambda: build_engine(settings, remote)[0], self.metrics,
+                                       on_broken=lambda why: pb.unload_later(name))
 
     def execute(self, requests):
         for request in requests:
