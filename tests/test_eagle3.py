@@ -330,17 +330,11 @@ def test_the_remote_placement_refuses_an_eagle3_drafter(target_path, tmp_path):
     with pytest.raises(ValueError, match="EAGLE-3 drafters cannot be exported to ONNX yet.*Serve it fused"):
         render_eagle_proposal(Path(target_path), tmp_path / "e3", tmp_path / "repo", version=1)
     assert not (tmp_path / "repo" / "eagle_backbone").exists()
-
-
-def test_fused_mtp_refuses_an_eagle3_member(target_path):
-    from pathlib import Path
-    from specserve.methods.mtp import spec as mtp_spec
-    from specserve.methods.registry import BuildContext
-    target = load_model(target_path)
-    eagle = EagleProposer(random_eagle3(target, seed=6, draft_size=64), target, max_num_seqs=1, max_model_len=64)
-    ctx = BuildContext(model=target, checkpoint=Path(target_path), folder=None, drafters=(("eagle", "e3"),),
-                       built={"eagle": eagle}, max_num_seqs=1, max_model_len=64, max_draft_len=2,
-                       spec_threshold=None, drafter_dtype=torch.float32, block_size=None, placement="fused",
-                       remote=None, remote_timeout_s=1.0)
-    with pytest.raises(ValueError, match="mtp cannot run member\\(s\\) eagle: they read target layers"):
-        mtp_spec.build(ctx)
+    # Remote mtp's ensemble reuses EAGLE's ONNX models: fused eagle, remote mtp is refused the same way.
+    from specserve.serving.settings import DeploymentSettings
+    from specserve.triton.render import render_repository
+    settings = DeploymentSettings(Path(target_path), drafters=(("eagle", str(tmp_path / "e3")),), device="cpu",
+                                  placement="fused", mtp_placement="remote")
+    with pytest.raises(ValueError, match="EAGLE-3 drafters cannot be exported to ONNX yet.*Serve it fused"):
+        render_repository(settings, tmp_path / "repo2")
+    assert not (tmp_path / "repo2" / "eagle_backbone").exists()
