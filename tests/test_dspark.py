@@ -15,12 +15,14 @@ from conftest import make_tiny_checkpoint
 from specserve.core.cuda_graphs import GraphCache
 from specserve.core.engine import Engine, EngineConfig, GenerationRequest
 from specserve.model.transformer import load_model
+from specserve.methods.dspark.head import DraftHead
 from specserve.methods.dspark.proposer import DSParkProposer, StepKey, draft_lengths
 from specserve.methods.eagle.drafter import load_eagle
 from specserve.methods.eagle.proposer import EagleProposer
 from specserve.core.sampling import SamplingParams
 from specserve.core.static_step import to_host
 from test_eagle import random_drafter, two_token_joint_tv
+from test_eagle3 import LAYERS, fitted_eagle3, random_eagle3
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "demo"
@@ -145,21 +147,117 @@ def test_dynamic_rope_is_refused(tmp_path):
         DSParkProposer(random_drafter(target, seed=1), target, max_num_seqs=2, max_model_len=128)
 
 
+# -- with an EAGLE-3 drafter (fused target layers, its own reduced-vocabulary head) -------------------
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def target4(request, tmp_path_factory):
+    """Four layers: room for a distinct low, middle and high layer (test_eagle3.LAYERS)."""
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp(f"dspark3_{request.param}"), request.param, seed=21,
+                                num_hidden_layers=LAYERS)
+    return load_model(path)
+
+
+@pytest.fixture(scope="module")
+def fitted3(target4):
+    """An EAGLE-3 drafter on layers 0, 1 and 3 over 128 of the 512 target ids, its head fitted
+    to the target's greedy output for PROMPTS (so its drafts are accepted there)."""
+    plain = Engine(target4, EngineConfig(max_num_seqs=4, max_model_len=256), {}, eos_token_ids=())
+    out = plain.generate(reqs("none", PROMPTS, 24))
+    return fitted_eagle3(target4, [p + out[f"none{i}"].new_token_ids for i, p in enumerate(PROMPTS)], 128)
+
+
+def test_draft_head_maps_draft_ids_through_d2t(tmp_path):
+    """head.py's worked example: target ids [2, 3, 5] of a vocabulary of 8."""
+    target = load_model(make_tiny_checkpoint(tmp_path, "llama", vocab_size=8, seed=5, num_hidden_layers=LAYERS))
+    drafter = random_eagle3(target, seed=1, draft_size=3)
+    drafter.set_vocab(torch.tensor([2, 2, 3]), torch.tensor([0, 0, 1, 1, 0, 1, 0, 0], dtype=torch.bool))
+    head = DraftHead(drafter, None)
+    logits = torch.tensor([[0.1, 1.5, -0.2]])
+    assert head.to_target(logits.argmax(-1)).tolist() == [3]
+    q = head.expand(logits.softmax(-1))
+    torch.testing.assert_close(q, drafter.to_target(logits).softmax(-1))   # the dynamic proposer's q
+    assert q[0, [0, 1, 4, 6, 7]].tolist() == [0.0] * 5
+    noise = torch.arange(8.0)[None]
+    assert head.draft_noise(noise).tolist() == [[2.0, 3.0, 5.0]]
+    with pytest.raises(ValueError, match="an EAGLE-3 one with its own"):
+        DraftHead(drafter, target.lm_head.weight)
+
+
+@pytest.mark.parametrize("threshold", [None, 0.2])
+def test_greedy_dspark_with_eagle3_equals_plain_and_eagle(target4, fitted3, threshold):
+    """Five requests on four slots, as for EAGLE-1 above; the drafts are accepted, and DSPark's
+    equal the dynamic path's (fused layers kept by the static step, its own head, d2t)."""
+    engine = engine_with(target4, fitted3, threshold=threshold)
+    assert engine.proposers["dspark"].feature_layers == (0, 1, 3)
+    plain, spec, eagle = (engine.generate(reqs(m, PROMPTS)) for m in ("none", "dspark", "eagle"))
+    for i in range(len(PROMPTS)):
+        assert spec[f"dspark{i}"].new_token_ids == plain[f"none{i}"].new_token_ids, f"prompt {i}"
+        # Same drafter, same cut rule: the same drafts, so the same acceptance as the dynamic path.
+        assert spec[f"dspark{i}"].stats.accepted_tokens == eagle[f"eagle{i}"].stats.accepted_tokens
+    assert sum(o.stats.draft_tokens for o in spec.values()) > 0
+    assert sum(o.stats.accepted_tokens for o in spec.values()) > 0
+    assert engine.num_free_slots == 4 and engine.proposers["dspark"].eagle.cache.num_free == 4
+
+
+def test_seeded_dspark_with_eagle3_equals_seeded_plain(target4, fitted3):
+    engine = engine_with(target4, fitted3, threshold=0.2)
+    run = lambda m: engine.generate(reqs(m, PROMPTS[:3], 24, temperature=0.9, top_k=40, seed=3))  # noqa: E731
+    plain, spec = run("none"), run("dspark")
+    assert [spec[f"dspark{i}"].new_token_ids for i in range(3)] == [plain[f"none{i}"].new_token_ids for i in range(3)]
+    assert sum(o.stats.draft_tokens for o in spec.values()) > 0
+
+
+class _WrongQHead(DraftHead):
+    """Broken on purpose (test_eagle3._WrongQ's fault in the static step): tokens are picked from
+    q over the draft ids and mapped right, but the q verification reads is expanded with a wrong
+    d2t (each draft id's probability lands on the next draft id's target token)."""
+
+    def expand(self, q_d):
+        return super().expand(q_d.roll(1, -1))
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["exact", "broken-d2t-q"])
+def test_sampled_dspark_with_eagle3_follows_target_distribution(tmp_path, broken):
+    """test_eagle's joint of tokens 2 and 3 against the exact target, drafted from 5 of the 8
+    target ids (the target's mass outside them is only reachable through recovery); the same
+    check must catch the wrongly expanded q."""
+    target = load_model(make_tiny_checkpoint(tmp_path / "small", "llama", vocab_size=8, seed=5,
+                                             num_hidden_layers=LAYERS))
+    drafter = random_eagle3(target, seed=2, draft_size=5, calibration=False, head_scale=1.0)
+    engine = engine_with(target, drafter, threshold=None, max_num_seqs=64, max_draft_len=2)
+    prop = engine.proposers["dspark"]
+    if broken:
+        prop.head = _WrongQHead(drafter, None)
+    tv = two_token_joint_tv(target, engine, "dspark")
+    if broken:
+        assert tv > 0.1, f"the broken variant went unnoticed: total variation {tv:.4f}"
+    else:
+        assert tv < 0.06, f"total variation {tv:.4f}"
+
+
 # -- CUDA only ----------------------------------------------------------------------------------------
 
-def _cuda_engine(graph_mode):
+def _cuda_engine(graph_mode, drafter_kind="eagle1"):
+    """The demo target with its EAGLE-1 drafter, or with a random EAGLE-3 one (layers 0, 9 and 17,
+    a quarter of the vocabulary: the captured step's fused layers and d2t mapping)."""
     target = load_model(DEMO / "target", device="cuda")
-    drafter = load_eagle(DEMO / "eagle", target, dtype=torch.float32)
+    if drafter_kind == "eagle1":
+        drafter = load_eagle(DEMO / "eagle", target, dtype=torch.float32)
+    else:
+        L = target.cfg.num_layers
+        drafter = random_eagle3(target, seed=1, draft_size=target.cfg.vocab_size // 4,
+                                layers=(0, L // 2, L - 1)).to("cuda")
     return target, engine_with(target, drafter, threshold=0.3, max_num_seqs=4, max_draft_len=8,
                                max_model_len=512, graph_mode=graph_mode)
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_graph_replay_equals_eager_and_plain():
+@pytest.mark.parametrize("drafter_kind", ["eagle1", "eagle3"])
+def test_cuda_graph_replay_equals_eager_and_plain(drafter_kind):
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[4]]
-    _, graphed = _cuda_engine("graph")
-    _, eager = _cuda_engine("eager")
+    _, graphed = _cuda_engine("graph", drafter_kind)
+    _, eager = _cuda_engine("eager", drafter_kind)
     plain = graphed.generate(reqs("none", prompts, 48))
     g, e = graphed.generate(reqs("dspark", prompts, 48)), eager.generate(reqs("dspark", prompts, 48))
     for i in range(len(prompts)):
@@ -169,11 +267,12 @@ def test_cuda_graph_replay_equals_eager_and_plain():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_graph_replay_has_no_host_sync():
+@pytest.mark.parametrize("drafter_kind", ["eagle1", "eagle3"])
+def test_cuda_graph_replay_has_no_host_sync(drafter_kind):
     """A captured step, run as the proposer runs it (its device inputs copied into the graph's
     buffers, then the replay), makes no synchronising CUDA call; the step's one host sync is the
     read of its outputs (static_step.to_host), which the same check catches, so it is live."""
-    _, engine = _cuda_engine("graph")
+    _, engine = _cuda_engine("graph", drafter_kind)
     prop = engine.proposers["dspark"]
     engine.generate(reqs("dspark", PROMPTS[:2], 8))  # captures the keys it uses
     key, graph = next(iter(prop._graphs.graphs.items()))

@@ -1,6 +1,7 @@
 """EAGLE-3 drafter (methods/eagle/eagle3.py): fused target layers and a reduced draft vocabulary
 keep greedy and sampled output exact; the public checkpoint layout loads and computes what the
-layout says; the placements it does not support refuse it by name."""
+layout says; the placement it does not support (remote: no ONNX export yet) refuses it by name.
+DSPark with an EAGLE-3 drafter is tested in test_dspark.py."""
 
 from __future__ import annotations
 
@@ -34,6 +35,48 @@ def random_eagle3(target, seed: int, draft_size: int, *, layers=(0, 1, 3), calib
         for name, p in d.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, head_scale if name == "lm_head.weight" else 0.1)
+    return d.eval().requires_grad_(False)
+
+
+def fitted_eagle3(target, sequences: list[list[int]], draft_size: int, *, layers=(0, 1, 3), seed: int = 0,
+                  steps: int = 300) -> Eagle3Drafter:
+    """A random EAGLE-3 drafter whose LM head is fitted (cross-entropy, Adam) to predict, from
+    its hidden state over the TRUE pairs of `sequences` (the target's own output), the token
+    after next; its draft vocabulary is their `draft_size` most frequent tokens. Enough for
+    its first draft token to be accepted on those sequences, so tests see real acceptance."""
+    from specserve.core.forward import ForwardBatch
+    from specserve.core.masks import build_mask, chain_parents
+    counts = torch.zeros(target.cfg.vocab_size, dtype=torch.long)
+    for seq in sequences:
+        counts += torch.bincount(torch.tensor(seq), minlength=target.cfg.vocab_size)
+    d = random_eagle3(target, seed, draft_size, layers=layers)
+    d.set_vocab(*draft_vocab(counts, draft_size))
+    draft_id = torch.full((target.cfg.vocab_size,), -1, dtype=torch.long)
+    draft_id[d.target_ids()] = torch.arange(draft_size)
+    xs, ys = [], []
+    with torch.no_grad():
+        for seq in sequences:
+            tokens = torch.tensor([seq])
+            T = tokens.shape[1]
+            mask, positions = build_mask([0], [chain_parents(T)], T)
+            zero = torch.zeros(1, dtype=torch.long)
+            out = target.forward(ForwardBatch(tokens, positions, zero, zero, mask), None, hidden_layers=layers)
+            feats = torch.cat([out.hidden] + [out.layer_hidden[i] for i in layers], -1)[:, :T - 2]  # pairs 0..T-3
+            m, p = build_mask([0], [chain_parents(T - 2)], T - 2)
+            h = d(d.fuse(feats), target.embed_tokens(tokens[:, 1:T - 1]),
+                  ForwardBatch(tokens[:, 1:T - 1], p, zero, zero, m), None)[0]  # ĥ_{i+1}, predicts t_{i+2}
+            xs.append(d.norm(h))
+            ys.append(draft_id[tokens[0, 2:]])
+    x, y = torch.cat(xs), torch.cat(ys)
+    keep = y >= 0   # tokens outside the draft vocabulary cannot be drafted
+    head = d.lm_head.weight.detach().clone().requires_grad_(True)
+    opt = torch.optim.Adam([head], lr=0.05)
+    for _ in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(x[keep] @ head.T, y[keep]).backward()
+        opt.step()
+    with torch.no_grad():
+        d.lm_head.weight.copy_(head)
     return d.eval().requires_grad_(False)
 
 
@@ -296,7 +339,7 @@ def test_features_of_the_wrong_width_are_a_proposer_error(target_path):
         prop.propose([req])
 
 
-def test_remote_and_static_placements_refuse_an_eagle3_drafter(target_path, tmp_path):
+def test_the_remote_placement_refuses_an_eagle3_drafter(target_path, tmp_path):
     from specserve.methods.eagle.export import export
     target = load_model(target_path)
     drafter = random_eagle3(target, seed=5, draft_size=64)
@@ -309,20 +352,11 @@ def test_remote_and_static_placements_refuse_an_eagle3_drafter(target_path, tmp_
     with pytest.raises(ValueError, match="EAGLE-3 drafters cannot be exported to ONNX yet.*Serve it fused"):
         render_eagle_proposal(Path(target_path), tmp_path / "e3", tmp_path / "repo", version=1)
     assert not (tmp_path / "repo" / "eagle_backbone").exists()
-    from specserve.methods.dspark.proposer import DSParkProposer
-    with pytest.raises(ValueError, match="dspark runs EAGLE-1 drafters only"):
-        DSParkProposer(drafter, target, max_num_seqs=1, max_model_len=64)
-
-
-def test_fused_mtp_refuses_an_eagle3_member(target_path):
-    from pathlib import Path
-    from specserve.methods.mtp import spec as mtp_spec
-    from specserve.methods.registry import BuildContext
-    target = load_model(target_path)
-    eagle = EagleProposer(random_eagle3(target, seed=6, draft_size=64), target, max_num_seqs=1, max_model_len=64)
-    ctx = BuildContext(model=target, checkpoint=Path(target_path), folder=None, drafters=(("eagle", "e3"),),
-                       built={"eagle": eagle}, max_num_seqs=1, max_model_len=64, max_draft_len=2,
-                       spec_threshold=None, drafter_dtype=torch.float32, block_size=None, placement="fused",
-                       remote=None, remote_timeout_s=1.0)
-    with pytest.raises(ValueError, match="mtp cannot run member\\(s\\) eagle: they read target layers"):
-        mtp_spec.build(ctx)
+    # Remote mtp's ensemble reuses EAGLE's ONNX models: fused eagle, remote mtp is refused the same way.
+    from specserve.serving.settings import DeploymentSettings
+    from specserve.triton.render import render_repository
+    settings = DeploymentSettings(Path(target_path), drafters=(("eagle", str(tmp_path / "e3")),), device="cpu",
+                                  placement="fused", mtp_placement="remote")
+    with pytest.raises(ValueError, match="EAGLE-3 drafters cannot be exported to ONNX yet.*Serve it fused"):
+        render_repository(settings, tmp_path / "repo2")
+    assert not (tmp_path / "repo2" / "eagle_backbone").exists()

@@ -21,7 +21,8 @@ from specserve.model.transformer import load_model
 from specserve.methods.mtp.arbiter import ArbiterConfig, Candidate, arbitrate, score_candidates
 from specserve.core.proposer import Draft, ProposerDefaults, ProposerError, StepOutcome
 from specserve.methods.eagle.proposer import EagleProposer
-from specserve.methods.mtp.proposer import MultiDraftProposer, candidates_of, map_nodes, sub_outcome
+from specserve.methods.mtp.proposer import (MultiDraftProposer, candidates_of, map_nodes, member_features,
+                                            sub_outcome)
 from specserve.methods.ngram.proposer import NgramProposer
 from specserve.core.sampling import SamplingParams
 from specserve.serving.params import BadRequest, make_request_config
@@ -224,6 +225,57 @@ def test_each_sub_proposer_observes_its_own_accepted_prefix(target_path):
     assert (r.num_drafted, r.accepted_nodes) == (3, [0, 1, 2])
     assert (w.num_drafted, w.accepted_nodes) == (2, [0])
     assert r.emitted == w.emitted == want[1:5]
+
+
+# -- an EAGLE-3 member: mtp forwards the target layers it reads ----------------------------------------
+def test_member_features_take_the_final_hidden_state_and_the_members_layers():
+    D = 2
+    feats = torch.arange(2 * 4 * D).view(2, 4 * D)   # per token: final, layer 0, layer 1, layer 3
+    assert member_features(feats, (0, 1, 3), (3,)).tolist() == [[0, 1, 6, 7], [8, 9, 14, 15]]
+    assert member_features(feats, (0, 1, 3), ()).tolist() == [[0, 1], [8, 9]]
+    assert member_features(feats, (0, 1, 3), (3, 0)).tolist() == [[0, 1, 6, 7, 2, 3], [8, 9, 14, 15, 10, 11]]
+    assert member_features(feats, (0, 1, 3), (0, 1, 3)) is feats
+
+
+def test_fused_mtp_with_an_eagle3_member_equals_plain_decoding(tmp_path):
+    """mtp's builder takes an EAGLE-3 drafter as its EAGLE member (fused placement): mtp names its
+    layers, the engine keeps them, EAGLE gets [n, 4D] and the MTP heads [n, D] per token; greedy
+    output equals plain decoding, and EAGLE's drafts are accepted (its features are right)."""
+    from specserve.methods.mtp import spec as mtp_spec
+    from specserve.methods.mtp.heads import MTPConfig, MTPHeads, _target_fields, save_mtp_heads
+    from specserve.methods.registry import BuildContext
+    from test_eagle3 import LAYERS, fitted_eagle3
+
+    target = load_model(make_tiny_checkpoint(tmp_path / "t", "llama", seed=21, num_hidden_layers=LAYERS))
+    plain = mtp_engine(target, [NgramProposer()]).generate(reqs("none", 24))
+    drafter = fitted_eagle3(target, [p + plain[f"none{i}"].new_token_ids for i, p in enumerate(PROMPTS)], 128)
+    e3 = EagleProposer(drafter, target, max_num_seqs=4, max_model_len=256, max_draft_len=8, threshold=None)
+    save_mtp_heads(MTPHeads(MTPConfig(**{**_target_fields(target), "num_heads": 3, "intermediate_size": 16}),
+                            target.lm_head.weight), tmp_path / "mtp")
+    ctx = BuildContext(model=target, checkpoint=tmp_path / "t", folder=str(tmp_path / "mtp"),
+                       drafters=(("eagle", "e3"), ("mtp", str(tmp_path / "mtp"))),
+                       built={"eagle": e3, "ngram": NgramProposer()}, max_num_seqs=4, max_model_len=256,
+                       max_draft_len=8, spec_threshold=None, drafter_dtype=torch.float32, block_size=None,
+                       placement="fused", remote=None, remote_timeout_s=1.0)
+    mtp = mtp_spec.build(ctx)
+    assert mtp.feature_layers == (0, 1, 3) and set(mtp.subs) == {"eagle", "ngram", "mtp_heads"}
+    engine = Engine(target, EngineConfig(max_num_seqs=4, max_model_len=256, max_draft_len=8), {"mtp": mtp},
+                    eos_token_ids=())
+    spec = engine.generate(reqs("mtp", 24))
+    for i in range(len(PROMPTS)):
+        assert spec[f"mtp{i}"].new_token_ids == plain[f"none{i}"].new_token_ids, i
+        assert not spec[f"mtp{i}"].stats.proposer_skipped   # a wrong feature width would skip EAGLE
+    assert sum(o.stats.accepted_by_proposer.get("eagle", 0) for o in spec.values()) > 0
+    # EAGLE alone in mtp drafts what the eagle method drafts with the same drafter: its tree is
+    # that chain, so the acceptance is the same, request by request (wrong columns would differ).
+    alone = engine.generate(reqs("mtp", 24, options={"mtp_proposers": ["eagle"]}))
+    direct = Engine(target, EngineConfig(max_num_seqs=4, max_model_len=256, max_draft_len=8),
+                    {"eagle": EagleProposer(drafter, target, max_num_seqs=4, max_model_len=256, max_draft_len=8,
+                                            threshold=None)}, eos_token_ids=()).generate(reqs("eagle", 24))
+    for i in range(len(PROMPTS)):
+        assert alone[f"mtp{i}"].new_token_ids == plain[f"none{i}"].new_token_ids, i
+        assert alone[f"mtp{i}"].stats.accepted_tokens == direct[f"eagle{i}"].stats.accepted_tokens > 0, i
+    assert engine.num_free_slots == 4 and e3.cache.num_free == 4
 
 
 # -- sampled output is exact; a broken sibling residual is not -----------------------------------------

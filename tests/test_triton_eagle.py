@@ -1,5 +1,6 @@
 """EAGLE served remotely through a real tritonserver (explicit model control): greedy equals
 plain decoding, and unloading / reloading the drafter during concurrent streams fails nothing.
+The fused server serves an EAGLE-3 drafter: fused eagle, dspark and mtp with it as a member.
 The same servers serve `mtp` (the MTP heads, EAGLE, the draft model and n-gram merged by the
 arbiter; remote: the mtp_proposal ensemble), tested here too rather than on servers of their own
 (the suite's time budget)."""
@@ -30,6 +31,7 @@ from specserve.serving.settings import DeploymentSettings
 from specserve.triton.render import render_repository
 from streams import DrafterHold, scrape_metrics
 from test_eagle import random_drafter
+from test_eagle3 import random_eagle3
 
 pytestmark = pytest.mark.triton
 
@@ -48,7 +50,12 @@ def start_server(tmp_path_factory, placement: str):
     vocab = Tokenizer.from_file(str(ckpt / "tokenizer.json")).get_vocab_size()
     make_tiny_checkpoint(ckpt, "llama", vocab_size=vocab, seed=3, max_position_embeddings=256)
     target = load_model(ckpt)
-    save_eagle(random_drafter(target, seed=5), json.loads((ckpt / "config.json").read_text()), root / "eagle")
+    # The remote server's EAGLE is EAGLE-1 (EAGLE-3 has no ONNX export yet); the fused one's is an
+    # EAGLE-3 drafter (both target layers fused, its own head over half the vocabulary), so its
+    # fused eagle, mtp member and dspark step are all served through Triton.
+    drafter = random_drafter(target, seed=5) if placement == "remote" else \
+        random_eagle3(target, seed=5, draft_size=vocab // 2, layers=(0, 1))
+    save_eagle(drafter, json.loads((ckpt / "config.json").read_text()), root / "eagle")
     # mtp's other two drafters: untrained MTP heads (each head predicts the pending token again,
     # right where the output repeats a token) and the target as its own draft model (always right).
     save_mtp_heads(MTPHeads(MTPConfig(**{**_target_fields(target), "num_heads": 3, "intermediate_size": 16}),
@@ -116,6 +123,13 @@ def test_fused_eagle_greedy_equals_none(fused_server):
     # Fused drafters are not Triton models: nothing to hot-load.
     names = {m.name for m in drafters.list_models(fused_server.grpc_url, fused_server.admin_key)}
     assert "eagle_proposal" not in names and "llm" in names
+
+
+def test_fused_dspark_with_an_eagle3_drafter_greedy_equals_none(fused_server):
+    for p in PROMPTS:
+        plain, spec = gen(fused_server, p, "none"), gen(fused_server, p, "dspark")
+        assert spec.text == plain.text, p
+        assert spec.spec_stats["method"] == "dspark" and spec.spec_stats["draft_tokens"] > 0
 
 
 # -- mtp on the same servers (served beside eagle: the MTP heads, EAGLE, the draft model and n-gram,

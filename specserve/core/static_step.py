@@ -33,7 +33,7 @@ from one step to the next, so the two cannot drift apart. Entries written past a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -271,6 +271,9 @@ class StepResult:
     counts: torch.Tensor       # [B] accepted + 1
     new_lengths: torch.Tensor  # [B] lengths + counts
     hidden: torch.Tensor       # [B, K+1, D] target features; the first counts[b] are committed
+    # layer index → [B, K+1, D] residual stream after it, for the layers the step was asked to
+    # keep (a drafter that fuses several target layers, EAGLE-3); {} when none
+    layer_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def chain_batch(tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, span: int,
@@ -287,15 +290,17 @@ def chain_batch(tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor
     return ForwardBatch(tokens, positions, slots, lengths, mask)
 
 
-def target_step(model: TargetModel, kv: DeviceKV, inp: StepInputs, span: int, *, sampled: bool) -> StepResult:
-    """Verify forward + acceptance + commit for one bucket. Nothing here reads a device value on
-    the host, so it can be captured as a CUDA graph (see specserve.core.cuda_graphs)."""
+def target_step(model: TargetModel, kv: DeviceKV, inp: StepInputs, span: int, *, sampled: bool,
+                hidden_layers: tuple[int, ...] = ()) -> StepResult:
+    """Verify forward + acceptance + commit for one bucket, keeping the residual streams after
+    `hidden_layers` too (a fixed, host-side choice per proposer). Nothing here reads a device
+    value on the host, so it can be captured as a CUDA graph (see specserve.core.cuda_graphs)."""
     batch = chain_batch(inp.tokens, inp.lengths, inp.slots, span, model.cfg.sliding_window)
-    hidden = model.forward(batch, kv).hidden  # [B, K+1, D]
-    logits = model.logits(hidden)  # [B, K+1, V] fp32
+    out = model.forward(batch, kv, hidden_layers=hidden_layers)  # hidden [B, K+1, D]
+    logits = model.logits(out.hidden)  # [B, K+1, V] fp32
     acc = acceptance(logits, inp.tokens, inp.draft_lens, inp.sampling, inp.draft_probs, inp.uniforms,
                      sampled=sampled, noise=inp.noise)
-    return StepResult(acc.emitted, acc.counts, inp.lengths + acc.counts, hidden)
+    return StepResult(acc.emitted, acc.counts, inp.lengths + acc.counts, out.hidden, out.layer_hidden)
 
 
 def to_host(*columns: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""DSPark: the whole speculative step with the fused EAGLE drafter as one static computation per
-(batch bucket B, draft length K, KV span S, greedy/sampled) — docs/design.md, 'The methods'.
+"""DSPark: the whole speculative step with the fused EAGLE drafter (EAGLE-1 or EAGLE-3) as one
+static computation per (batch bucket B, draft length K, KV span S, greedy/sampled) —
+docs/design.md, 'The methods'.
 
 One step, all on the device, no host decision inside:
 
@@ -14,6 +15,15 @@ One step, all on the device, no host decision inside:
      cut (and its room) — the graph always drafts K, the cut only sets `draft_lens`;
   4. verify + accept + commit: `static_step.target_step`;
   5. keep the committed pairs (target features, emitted tokens) for the next step's ingest.
+
+An EAGLE-3 drafter (eagle3.py) runs the same step: the proposer names the drafter's target layers
+(`feature_layers`), so the engine's prefill keeps them and the step's verify forward returns them
+(`target_step(hidden_layers=...)`); step 5 keeps the committed pairs fused (g = fc of those layers),
+which is what its ingest reads. It drafts with its own head over the reduced draft vocabulary
+(head.DraftHead: the argmax, draw or coupled choice is taken over the draft ids and mapped
+through d2t; verification reads its q expanded to the target vocabulary, zero outside the draft
+ids), and the target verifies with its full distribution, so a token outside the draft vocabulary
+costs acceptance only.
 
 Draft-length adaptation stays graph-compatible in two ways: inside the graph, masking past the
 calibrated cut; across steps, K is chosen on the host from the captured lengths 1..max_draft_len
@@ -44,7 +54,9 @@ from specserve.core.cuda_graphs import GraphCache
 from specserve.core.kv_cache import KVCache
 from specserve.model.transformer import Transformer
 from specserve.core.proposer import DraftRequest, ProposerDefaults
+from specserve.methods.dspark.head import DraftHead
 from specserve.methods.eagle.drafter import CalibrationHead, EagleDrafter
+from specserve.methods.eagle.eagle3 import Eagle3Drafter
 from specserve.methods.eagle.proposer import EagleProposer
 from specserve.core.static_step import (DeviceKV, SamplingTensors, StaticOutcome, StaticRow, StepInputs,
                                    bucket_for, chain_batch, check_static_model, draw, span_for,
@@ -74,17 +86,15 @@ class DSParkProposer(ProposerDefaults):
     needs_features = True   # the engine's prefill hands over the prompt's features
     static_step = True
 
-    def __init__(self, drafter: EagleDrafter, target: Transformer, *, max_num_seqs: int, max_model_len: int,
+    def __init__(self, drafter: EagleDrafter | Eagle3Drafter, target: Transformer, *, max_num_seqs: int, max_model_len: int,
                  max_draft_len: int = 8, threshold: float | None = 0.3, span_set: str | None = None,
                  graph_mode: str = "auto"):
         """span_set: static_step.SPAN_SETS; None = "full" on CUDA (one graph per bucket and K, all
         captured by `warm`), "pow2" on a CPU (measured 2.4x faster there for short contexts)."""
         check_static_model(target)
-        if not isinstance(drafter, EagleDrafter):
-            raise ValueError("dspark runs EAGLE-1 drafters only: its static step drafts with the target's "
-                             "LM head from one final hidden state per token, not an EAGLE-3 drafter's fused "
-                             "layers and reduced vocabulary; serve that drafter with method eagle")
         self.target, self.drafter = target, drafter
+        # EAGLE-3: the engine keeps these layers' streams (prefill), and the step's verify keeps them too
+        self.feature_layers = drafter.feature_layers
         if span_set is None:
             span_set = "full" if target.device.type == "cuda" else "pow2"
         self.max_draft_len, self.span_set = max_draft_len, span_set
@@ -95,6 +105,7 @@ class DSParkProposer(ProposerDefaults):
                                    max_draft_len=max_draft_len, threshold=threshold, name=self.name)
         self._dscratch = self.eagle.cache.allocate()
         self._dkv = DeviceKV(self.eagle.cache)
+        self.head = DraftHead(drafter, self.eagle._head_w)
         dev, D, W = target.device, drafter.cfg.hidden_size, max_draft_len + 1
         # Committed pairs of the last step, per drafter slot: features [W, D] and next tokens [W].
         self._feats = torch.zeros(self.eagle.cache.num_slots, W, D, dtype=self.eagle.dtype, device=dev)
@@ -209,11 +220,11 @@ class DSParkProposer(ProposerDefaults):
     def _compute(self, x: dict[str, torch.Tensor], key: StepKey) -> dict[str, torch.Tensor]:
         B, K, S = key.B, key.K, key.S
         window = self.drafter.cfg.sliding_window
-        embed_w, head_w = self.eagle._embed_w, self.eagle._head_w
+        embed_w, head = self.eagle._embed_w, self.head
         sampling = SamplingTensors(x["greedy"], x["temperature"], x["top_k"], x["top_p"], x["seeded"], x["seeds"])
         dslots, u = x["dslots"], x["uniforms"]  # u [B, 2K+1]: K draft draws, K acceptance tests, 1 draw
         # [B, K+1, V] the seeded rows' noise for the K drafted positions and the bonus one
-        noise = step_noise(x["seeds"], x["lengths"], K, head_w.shape[0]) if key.seeded else None
+        noise = step_noise(x["seeds"], x["lengths"], K, head.vocab) if key.seeded else None
 
         # 1. ingest the pairs the last step committed; f̂ of the pending token per row [B, D]
         toks = self._ftoks[dslots]  # [B, W]
@@ -228,17 +239,18 @@ class DSParkProposer(ProposerDefaults):
         drafted, qs, p_acc = [], [], []
         calibrate = self.drafter.calibration is not None
         for j in range(K):
-            logits = F.linear(h, head_w).float()  # [B, V], the target's LM head
-            tok = logits.argmax(-1)
+            logits = head.logits(h)  # [B, Vd]: the target's LM head (Vd = V), or EAGLE-3's own
+            pick = logits.argmax(-1)  # [B] draft ids
             if key.sampled:
-                q = warp(logits[:, None], sampling)[:, 0]  # [B, V]
-                tok = torch.where(sampling.greedy, tok, draw(q, u[:, j]))
+                q_d = warp(logits[:, None], sampling)[:, 0]  # [B, Vd]
+                pick = torch.where(sampling.greedy, pick, draw(q_d, u[:, j]))
                 if noise is not None:
-                    tok = torch.where(sampling.seeded, coupled_choice(q, noise[:, j]), tok)
-                qs.append(q)
+                    pick = torch.where(sampling.seeded, coupled_choice(q_d, head.draft_noise(noise[:, j])), pick)
+                qs.append(head.expand(q_d))  # [B, V]: verification reads q over the target vocabulary
             if calibrate:
                 scalars = CalibrationHead.scalar_features(logits, j)
                 p_acc.append(torch.sigmoid(self.drafter.calibration(h, scalars)))  # [B]
+            tok = head.to_target(pick)  # [B] target ids
             drafted.append(tok)
             if j < K - 1:  # the speculative pair (f̂, d_j) at base + j gives the next f̂
                 b1 = chain_batch(tok[:, None], base + j, dslots, S, window)
@@ -254,9 +266,11 @@ class DSParkProposer(ProposerDefaults):
         probs = torch.stack(qs, 1) if qs else None  # [B, K, V]
         res = target_step(self.target, self._kv,
                           StepInputs(tokens, x["lengths"], x["slots"], lens, sampling, u[:, K:], probs, noise),
-                          S, sampled=key.sampled)
+                          S, sampled=key.sampled, hidden_layers=self.feature_layers)
 
-        # 5. the committed pairs (f at each verified position, the token after it) for next step
-        self._feats[dslots, :K + 1] = res.hidden.to(self._feats.dtype)
+        # 5. the committed pairs (f at each verified position, the token after it) for next step;
+        # an EAGLE-3 drafter keeps them fused (g = fc of its layers), as its ingest reads them
+        feats = torch.cat([res.hidden] + [res.layer_hidden[i] for i in self.feature_layers], -1)  # [B, K+1, (1+L)D]
+        self._feats[dslots, :K + 1] = self.drafter.fuse(feats.to(self._feats.dtype))
         self._ftoks[dslots, :K + 1] = res.emitted
         return {"out": torch.cat([res.emitted, res.counts[:, None], lens[:, None]], 1)}  # [B, K+3]

@@ -16,6 +16,10 @@ prefix of ITS draft that lies on the accepted path, so a stateful drafter rolls 
 
 Features: sub-proposers that need target features get them; if one fails, the features it was
 given are kept here and sent with its next call (the engine already counts them delivered).
+A member that reads target layers besides the final hidden state (an EAGLE-3 drafter's
+`feature_layers`) gets them: mtp names the union of its members' layers, so the engine hands it
+[n, (1 + L) D] per token (the final hidden state, then those layers in ascending order), and each
+member receives its own columns (`member_features`).
 """
 
 from __future__ import annotations
@@ -82,6 +86,18 @@ def candidates_of(name: str, draft: Draft, prior: float) -> list[Candidate]:
     return out
 
 
+def member_features(features: torch.Tensor, layers: tuple[int, ...], wanted: tuple[int, ...]) -> torch.Tensor:
+    """features [n, (1 + L) D]: the final hidden state, then the residual streams after `layers`
+    → [n, (1 + L') D]: the final hidden state, then those after `wanted` (a subset, its order).
+    Example: layers (0, 1, 3), wanted (3,) → columns [0:D] and [3D:4D]."""
+    if wanted == layers:
+        return features
+    n = features.shape[0]
+    blocks = features.view(n, 1 + len(layers), -1)  # [n, 1 + L, D]
+    cols = [0] + [1 + layers.index(i) for i in wanted]
+    return blocks[:, cols].reshape(n, -1)
+
+
 def map_nodes(draft: Draft, merged: Draft) -> list[int | None]:
     """Sub-draft node → merged-tree node with the same root path (None: not in the merged tree)."""
     index = {}
@@ -121,6 +137,8 @@ class MultiDraftProposer(ProposerDefaults):
         self.arbiter = arbiter or ArbiterConfig()
         self.max_draft_len, self.depth, self.vocab_size = max_draft_len, depth, vocab_size
         self.needs_features = any(p.needs_features for p in proposers)
+        # The union of the layers members read: the engine keeps them all, each member gets its own.
+        self.feature_layers = tuple(sorted({i for p in proposers for i in p.feature_layers}))
         self._rows: dict[int, _Row] = {}
         self._backlog: dict[tuple[str, int], list[torch.Tensor]] = {}   # undelivered features
 
@@ -184,6 +202,8 @@ class MultiDraftProposer(ProposerDefaults):
             if r.features is not None and r.features.shape[0]:
                 chunks.append(r.features)
             features = None if not chunks else chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+            if features is not None:
+                features = member_features(features, self.feature_layers, sub.feature_layers)
         # generator=None: sub-proposers draft greedily, or with the seeded request's noise (the
         # merged tree is point masses either way).
         return DraftRequest(r.seq_id, r.token_ids, min(r.max_draft_len, self.depth), r.params, None,

@@ -32,12 +32,9 @@ def build(ctx: BuildContext):
                           threshold=ctx.spec_threshold, timeout_s=ctx.remote_timeout_s)
     from specserve.methods.mtp.proposer import MultiDraftProposer
 
+    # Members that read target layers (an EAGLE-3 drafter) get them: MultiDraftProposer names the
+    # union of their feature_layers and hands each member its own.
     subs = [ctx.built[m.name] for m in SPEC.members if m.drafter != SPEC.name and m.name in ctx.built]
-    # Members get the final hidden state only (MultiDraftProposer forwards one feature width).
-    wide = [p.name for p in subs if p.feature_layers]
-    if wide:
-        raise ValueError(f"mtp cannot run member(s) {', '.join(wide)}: they read target layers besides the "
-                         "final hidden state (an EAGLE-3 drafter), which mtp does not forward to its members")
     if ctx.folder:
         subs.append(_heads(ctx))
     return MultiDraftProposer(subs, max_draft_len=ctx.max_draft_len, vocab_size=ctx.model.cfg.vocab_size)
