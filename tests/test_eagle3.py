@@ -352,11 +352,16 @@ def test_the_remote_placement_refuses_an_eagle3_drafter(target_path, tmp_path):
     with pytest.raises(ValueError, match="EAGLE-3 drafters cannot be exported to ONNX yet.*Serve it fused"):
         render_eagle_proposal(Path(target_path), tmp_path / "e3", tmp_path / "repo", version=1)
     assert not (tmp_path / "repo" / "eagle_backbone").exists()
-    # Remote mtp's ensemble reuses EAGLE's ONNX models: fused eagle, remote mtp is refused the same way.
+    # Remote mtp's ensemble reuses EAGLE's ONNX models: with an EAGLE-3 drafter, mtp's default
+    # remote placement runs fused instead and says why, so a plain `serve` serves every method.
+    from specserve.serving.build import mtp_fused_because, where_drafters_run
     from specserve.serving.settings import DeploymentSettings
     from specserve.triton.render import render_repository
     settings = DeploymentSettings(Path(target_path), drafters=(("eagle", str(tmp_path / "e3")),), device="cpu",
                                   placement="fused", mtp_placement="remote")
-    with pytest.raises(ValueError, match="EAGLE-3 drafters cannot be exported to ONNX yet.*Serve it fused"):
-        render_repository(settings, tmp_path / "repo2")
-    assert not (tmp_path / "repo2" / "eagle_backbone").exists()
+    why = ("the EAGLE drafter is EAGLE-3-style, which has no ONNX export yet for the mtp_proposal "
+           "ensemble's EAGLE models")
+    assert mtp_fused_because(settings, bls_calls=True) == why
+    assert any(why in line for line in where_drafters_run(settings))
+    repo = render_repository(settings, tmp_path / "repo2")
+    assert not (repo / "eagle_backbone").exists() and not (repo / "mtp_proposal").exists()

@@ -59,7 +59,16 @@ def mtp_runs_remote(mtp_placement: str, drafters: tuple[tuple[str, str], ...]) -
         raise ValueError(f"{mtp.name} placement must be one of {', '.join(PLACEMENTS)}, got {mtp_placement!r}")
     served = {m for m, _ in drafters}
     return (mtp_placement == "remote" and mtp.name in served_methods(drafters)
-            and all(need in served for need in mtp.remote_needs))
+            and all(need in served for need in mtp.remote_needs) and eagle3_drafter(drafters) is None)
+
+
+def eagle3_drafter(drafters: tuple[tuple[str, str], ...]) -> str | None:
+    """The served EAGLE drafter's folder when it is EAGLE-3-style (None otherwise): it has no
+    ONNX export yet, so remote mtp, whose ensemble runs EAGLE's ONNX models, cannot run it."""
+    from specserve.methods.eagle.drafter import is_eagle3_folder
+
+    folder = dict(drafters).get("eagle")
+    return folder if folder is not None and is_eagle3_folder(folder) else None
 
 
 def mtp_fused_because(settings: DeploymentSettings, bls_calls: bool) -> str | None:
@@ -71,6 +80,9 @@ def mtp_fused_because(settings: DeploymentSettings, bls_calls: bool) -> str | No
     if not bls_calls:
         return "built in process, with no BLS calls to make"
     if not mtp_runs_remote(settings.mtp_placement, settings.drafters):
+        if eagle3_drafter(settings.drafters):
+            return ("the EAGLE drafter is EAGLE-3-style, which has no ONNX export yet for the mtp_proposal "
+                    "ensemble's EAGLE models")
         needs = " and ".join(f"an {n.upper()} drafter" for n in mtp.remote_needs)
         return f"remote needs {needs}"
     return None

@@ -93,6 +93,22 @@ def is_eagle3_state(state: dict) -> bool:
     return any(k.startswith(("midlayer.", "model.midlayer.")) for k in state)
 
 
+def is_eagle3_folder(path: str | Path) -> bool:
+    """Whether a drafter folder holds the EAGLE-3 layout, from its weights' names (a safetensors
+    header read, no tensors) — what deployment decisions need before any weight is loaded."""
+    path = Path(path)
+    st = path / "model.safetensors"
+    if st.is_file():
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(st), framework="pt") as f:
+                return is_eagle3_state(dict.fromkeys(f.keys()))
+        except Exception as e:  # noqa: BLE001 — any unreadable file is a checkpoint error here
+            raise CheckpointError(f"cannot read EAGLE weights in {path}: {e}") from None
+    return is_eagle3_state(_read_state(path))
+
+
 def load_eagle(path: str | Path, target: Transformer, dtype: torch.dtype | None = None) -> "EagleDrafter | Eagle3Drafter":
     """Load an EAGLE drafter (safetensors or pytorch_model.bin) for `target`, computing in
     `dtype` (default: the target's): the EAGLE-1 layout (EagleDrafter) or, when its weights
