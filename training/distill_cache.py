@@ -5,7 +5,8 @@ both `training/train_mtp.py` and `training/train_draft.py` read one cache instea
 every step:
 
   tokens   [N, T] int64  windows: demo-corpus train-split windows, plus the target's own greedy
-                         continuations of train-split prompts (the text it will draft for)
+                         continuations of train-split prompts (the text it will draft for); or,
+                         with --distill-dir, a self-distillation folder's items (see below)
   hidden   [N, T, D] f16 the target's final hidden state (after the final norm, what
                          ForwardOutput.hidden holds and what the engine hands proposers)
   top_ids  [N, T, K] i64 the target's K most likely next tokens at each position (predicting
@@ -15,17 +16,27 @@ every step:
 A split's cache is `<work-dir>/<split>.pt`. The held-out split (held-out documents, and greedy
 continuations of models/demo/heldout_prompts.jsonl) is only evaluated on, never trained on.
 Deterministic (seeded window choice; greedy continuations).
+
+--distill-dir DIR reads a training/distill_data.py output folder instead (read only; its finished
+shards, the held-out guard re-run on load by training/distill_corpus.py): each item's prompt +
+response ids, end to end in shard order, cut into consecutive windows of --length tokens. No
+continuations are generated: the responses are already the target's own. `train.pt` holds the
+folder's train split and `heldout.pt` its own validation split (distill_corpus.split, by item id
+hash): the curve the trainers report on, NOT the issue's held-out sets, which no trainer sees.
+The meta records the folder, the items used and the split.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -35,6 +46,9 @@ from specserve.model.transformer import Transformer
 from specserve.core.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "training"))
+import distill_corpus  # noqa: E402 — a distill_data.py folder as training sequences
+import heldout  # noqa: E402 — the guard distill_corpus re-runs on load
 
 
 @dataclass
@@ -51,7 +65,6 @@ class DistillCache:
 
 
 def _corpus():
-    sys.path.insert(0, str(ROOT / "training"))
     import corpus  # the demo corpus (training/corpus.py), rebuilt offline from the stdlib
 
     return corpus
@@ -135,19 +148,82 @@ def build(target: Transformer, tokenizer, split: str, *, n_windows: int, n_promp
     return DistillCache(tokens, hidden, ids, vals, meta)
 
 
-def load_or_build(path: Path, target: Transformer, tokenizer, split: str, **kw) -> DistillCache:
-    """The cache at `path` if it was built with the same settings, else build and save it."""
-    want = {"split": split, **{k: v for k, v in kw.items() if k != "batch"}}
+def cached(path: Path, want: dict, make: Callable[[], DistillCache]) -> DistillCache:
+    """The cache at `path` if it was built with the settings `want`, else make and save it."""
     if path.is_file():
         state = torch.load(path, weights_only=False)
         if state["want"] == want:
             return DistillCache(**state["cache"])
         print(f"{path}: built with other settings; rebuilding", file=sys.stderr)
-    cache = build(target, tokenizer, split, **kw)
+    cache = make()
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"want": want, "cache": cache.__dict__}, path)
     print(json.dumps(cache.meta), file=sys.stderr)
     return cache
+
+
+def load_or_build(path: Path, target: Transformer, tokenizer, split: str, **kw) -> DistillCache:
+    """The demo-corpus cache of `split` at `path` (built when missing or built otherwise)."""
+    want = {"split": split, **{k: v for k, v in kw.items() if k != "batch"}}
+    return cached(path, want, lambda: build(target, tokenizer, split, **kw))
+
+
+# -- a self-distillation folder ------------------------------------------------------------------
+
+def distill_splits(folder: Path, *, share: float, max_items: int | None = None
+                   ) -> tuple[list[distill_corpus.DistillSequence], list[distill_corpus.DistillSequence]]:
+    """(train, validation) items of a distill_data.py folder: its first `max_items` finished items
+    (all when None; the plan is shuffled, so a prefix is a mixed sample), guarded against the
+    held-out sets again, split by item id hash."""
+    seqs = distill_corpus.load(folder, heldout.HeldoutGuard(heldout.load_all()))
+    seqs = seqs[:max_items] if max_items is not None else seqs
+    if not seqs:
+        raise SystemExit(f"{folder}: no finished items")
+    return distill_corpus.split(seqs, share)
+
+
+def packed_windows(seqs: list[distill_corpus.DistillSequence], length: int) -> list[list[int]]:
+    """The items' prompt + response ids end to end (in order), cut into consecutive windows of
+    `length` tokens; the shorter rest is dropped. A window may span two items, as train_eagle3's
+    do: its labels are the target's forward on the window itself, so they stay the target's own."""
+    stream = [t for s in seqs for t in s.tokens]
+    return [stream[i:i + length] for i in range(0, len(stream) - length + 1, length)]
+
+
+def items_digest(seqs: list[distill_corpus.DistillSequence]) -> str:
+    """Names the exact items (ids and tokens) a cache was built from: a grown folder rebuilds it."""
+    h = hashlib.sha1()
+    for s in seqs:
+        h.update(json.dumps([s.id, s.response_start, s.tokens]).encode())
+    return h.hexdigest()
+
+
+def build_distill(target: Transformer, seqs: list[distill_corpus.DistillSequence], split: str, *,
+                  length: int, top_k: int, source: dict, batch: int = 8) -> DistillCache:
+    """The cache of one side of a distill folder's split: its packed windows through the target."""
+    t0 = time.time()
+    rows = packed_windows(seqs, length)
+    if not rows:
+        raise SystemExit(f"the {split} split holds fewer than {length} tokens: lower --length or add items")
+    tokens, hidden, ids, vals = run_target(target, rows, top_k=top_k, batch=batch, desc=f"target forward ({split})")
+    d = distill_corpus.describe(seqs)
+    meta = {"split": split, **source, "items": d["items"], "sampled_items": d["sampled"],
+            "item_tokens": d["tokens"], "response_tokens": d["response_tokens"], "by_source": d["by_source"],
+            "distill_windows": len(rows), "corpus_windows": 0, "greedy_continuations": 0, "length": length,
+            "top_k": top_k, "tokens": tokens.numel(), "wall_time_s": round(time.time() - t0, 1)}
+    return DistillCache(tokens, hidden, ids, vals, meta)
+
+
+def load_or_build_distill(work_dir: Path, target: Transformer, folder: Path, *, share: float,
+                          max_items: int | None, length: int, top_k: int, batch: int = 8) -> None:
+    """train.pt (the folder's train split) and heldout.pt (its validation split) in `work_dir`."""
+    train, val = distill_splits(folder, share=share, max_items=max_items)
+    source = {"distill_dir": Path(folder).as_posix(), "validation_share": share, "max_items": max_items,
+              "split_by": "distill_corpus.split (item id hash)"}
+    for file, split, seqs in (("train.pt", "train", train), ("heldout.pt", "validation", val)):
+        want = {"split": split, **source, "items_sha1": items_digest(seqs), "length": length, "top_k": top_k}
+        cached(work_dir / file, want, lambda seqs=seqs, split=split: build_distill(
+            target, seqs, split, length=length, top_k=top_k, source=source, batch=batch))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -159,10 +235,16 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--work-dir", type=Path, required=True, help="writes train.pt and heldout.pt here")
-    ap.add_argument("--windows", type=int, default=2000, help="train-split corpus windows")
-    ap.add_argument("--prompts", type=int, default=256, help="train-split prompts continued greedily")
-    ap.add_argument("--heldout-windows", type=int, default=200)
-    ap.add_argument("--heldout-prompts", type=int, default=40)
+    ap.add_argument("--distill-dir", type=Path, default=None,
+                    help="build from a training/distill_data.py output folder (read only) instead of the demo corpus")
+    ap.add_argument("--validation-share", type=float, default=0.05,
+                    help="--distill-dir: the folder's items in heldout.pt (its validation split, by id hash)")
+    ap.add_argument("--max-items", type=int, default=None,
+                    help="--distill-dir: only the folder's first N finished items (default: all)")
+    ap.add_argument("--windows", type=int, default=2000, help="demo corpus: train-split corpus windows")
+    ap.add_argument("--prompts", type=int, default=256, help="demo corpus: train-split prompts continued greedily")
+    ap.add_argument("--heldout-windows", type=int, default=200, help="demo corpus")
+    ap.add_argument("--heldout-prompts", type=int, default=40, help="demo corpus")
     ap.add_argument("--length", type=int, default=128)
     ap.add_argument("--top-k", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None)
@@ -171,6 +253,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_model(args.target)
+    if args.distill_dir is not None:
+        load_or_build_distill(args.work_dir, target, args.distill_dir, share=args.validation_share,
+                              max_items=args.max_items, length=args.length, top_k=args.top_k)
+        return
     tokenizer = Tokenizer.from_file(str(args.target / "tokenizer.json"))
     kw = dict(length=args.length, top_k=args.top_k, seed=args.seed)
     load_or_build(args.work_dir / "train.pt", target, tokenizer, "train", n_windows=args.windows,
@@ -178,9 +264,6 @@ def main(argv: list[str] | None = None) -> None:
     load_or_build(args.work_dir / "heldout.pt", target, tokenizer, "heldout", n_windows=args.heldout_windows,
                   n_prompts=args.heldout_prompts, **kw)
 
-
-if __name__ == "__main__":
-    main()
 
 
 def distilled_trainer_args(description: str, *, steps: int, batch: int, batch_help: str,
@@ -230,3 +313,16 @@ def acceptance_in_process(target: Transformer, method: str, proposer, prompts: l
             "proposer_errors": sum(o.stats.proposer_errors for o in spec.values()),
             "mean_acceptance_length": round((accepted + steps) / max(1, steps), 4),
             "outputs_equal_none": equal}
+
+
+def row_groups(meta: dict) -> dict[str, slice]:
+    """The cache's rows by origin, for per-origin figures: a demo cache's corpus windows then greedy
+    continuations; a distill folder's windows as one group."""
+    if "distill_windows" in meta:
+        return {"distill_windows": slice(0, None)}
+    n = meta["corpus_windows"]
+    return {"corpus_windows": slice(0, n), "greedy_continuations": slice(n, None)}
+
+
+if __name__ == "__main__":
+    main()

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distill_cache import (DistillCache, acceptance_in_process, distilled_trainer_args,  # noqa: E402
-                           heldout_benchmark_prompts)
+                           heldout_benchmark_prompts, row_groups)
 from run_checkpoint import resume, save  # noqa: E402
 
 from specserve.model.transformer import load_model  # noqa: E402
@@ -160,8 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     bar.close()
     elapsed += time.time() - t0
     heads.eval()
-    n_windows = heldout.meta["corpus_windows"]
-    report = {"heldout": evaluate(heads, heldout, k, greedy_rows_from=n_windows),
+    greedy = row_groups(heldout.meta).get("greedy_continuations")  # a distill folder's cache has none apart
+    report = {"heldout": evaluate(heads, heldout, k, greedy_rows_from=greedy.start if greedy else None),
               "train_sample": evaluate(heads, DistillCache(train.tokens[:256], train.hidden[:256], train.top_ids[:256],
                                                            train.top_logits[:256], train.meta), k)}
     save_mtp_heads(heads, args.out)
