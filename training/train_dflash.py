@@ -3,7 +3,10 @@
 Self-distillation (no labels from anywhere but the target):
 
   data     sequences of corpus text (the demo corpus' train split, or --text-file) and the
-           target's OWN greedy continuations of corpus prompts;
+           target's OWN greedy continuations of corpus prompts; or (--distill-dir) a
+           training/distill_data.py folder's train split, prompt + response of each item end to
+           end in windows of --seq-len, as training/distill_cache.py cuts them (its validation
+           split is left out; the responses are already the target's own, none are generated);
   cache    one target forward per sequence, kept for the whole run: the target's features
            (final hidden state + the residual streams after the drafter's target layers, fp16)
            and its greedy choice at every position (argmax);
@@ -48,6 +51,7 @@ from specserve.core.sampling import SamplingParams
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "training"))
 from run_checkpoint import resume, save  # noqa: E402 — the resumable checkpoint the trainers share
+from distill_cache import distill_splits, items_digest, packed_windows  # noqa: E402 — a distill folder's rows
 from train_eagle import causal_batch, corpus_token_stream  # noqa: E402 — shared helpers
 
 
@@ -166,6 +170,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--text-file", type=Path, default=None, help="train on this text instead of the demo corpus")
+    ap.add_argument("--distill-dir", type=Path, default=None,
+                    help="train on a training/distill_data.py output folder instead (read only; its train split)")
+    ap.add_argument("--validation-share", type=float, default=0.05,
+                    help="--distill-dir: the folder's items left out (its validation split, by id hash)")
+    ap.add_argument("--max-items", type=int, default=None,
+                    help="--distill-dir: only the folder's first N finished items (default: all)")
+    ap.add_argument("--heldout-chat", type=Path, default=None,
+                    help="held-out acceptance on a chat set (jsonl of messages, e.g. models/smollm2/heldout_chat.jsonl), "
+                         "rendered by the target's chat template: evaluation only")
     ap.add_argument("--work-dir", type=Path, default=None, help="cache + checkpoints (default: checkpoints/dflash-<name>)")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--seq-len", type=int, default=256)
@@ -188,6 +201,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.text_file is not None and args.distill_dir is not None:
+        ap.error("--text-file and --distill-dir are two data sources: give one")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -202,17 +217,33 @@ def main(argv: list[str] | None = None) -> None:
                             pool_rank=args.pool_rank, block_size=args.block_size)
 
     cache_file = work / "cache.pt"
-    if cache_file.is_file():
-        cache = torch.load(cache_file, weights_only=False)
-    else:
-        stream = corpus_token_stream(tokenizer, args.text_file, "train")
-        rng = random.Random(args.seed)
+    items, data = [], None   # data: what a distill folder's cache was built from (None: the corpus path)
+    if args.distill_dir is not None:
+        items, _ = distill_splits(args.distill_dir, share=args.validation_share, max_items=args.max_items)
+        data = {"distill_dir": args.distill_dir.as_posix(), "validation_share": args.validation_share,
+                "max_items": args.max_items, "train_items": len(items), "items_sha1": items_digest(items),
+                "seq_len": args.seq_len}
+    cache = torch.load(cache_file, weights_only=False) if cache_file.is_file() else None
+    if cache is not None and cache.get("data") != data:
+        print(f"{cache_file}: built from other data; rebuilding", file=sys.stderr)
+        cache = None
+    if cache is None:
         T = args.seq_len
-        rows = [stream[s:s + T] for s in (rng.randrange(0, len(stream) - T) for _ in range(args.corpus_seqs))]
-        rows += greedy_continuations(target, stream, n=args.self_seqs, prompt_len=args.self_prompt_len,
-                                     new_tokens=T - args.self_prompt_len, seed=args.seed + 1)
+        if args.distill_dir is not None:
+            rows, num_self = packed_windows(items, T), 0
+            if not rows:
+                raise SystemExit(f"{args.distill_dir}: its train split holds fewer than {T} tokens")
+        else:
+            stream = corpus_token_stream(tokenizer, args.text_file, "train")
+            rng = random.Random(args.seed)
+            rows = [stream[s:s + T] for s in (rng.randrange(0, len(stream) - T) for _ in range(args.corpus_seqs))]
+            rows += greedy_continuations(target, stream, n=args.self_seqs, prompt_len=args.self_prompt_len,
+                                         new_tokens=T - args.self_prompt_len, seed=args.seed + 1)
+            num_self = args.self_seqs
         cache = target_cache(target, torch.tensor(rows), cfg.target_layers)
-        cache["num_self"] = args.self_seqs
+        cache["num_self"] = num_self
+        if data is not None:
+            cache["data"] = data
         torch.save(cache, cache_file)
     print(f"cache: {tuple(cache['tokens'].shape)} sequences×tokens, features {tuple(cache['features'].shape)}",
           file=sys.stderr)
@@ -250,19 +281,28 @@ def main(argv: list[str] | None = None) -> None:
 
     prompts_file = ROOT / "models/demo/heldout_prompts.jsonl"
     heldout = {}
-    if args.text_file is None and prompts_file.is_file():
+    prompts = None
+    if args.heldout_chat is not None:
+        from train_eagle3 import heldout_chat_prompts
+
+        prompts = heldout_chat_prompts(args.target, args.heldout_chat)
+        kinds = [json.loads(line)["kind"] for line in args.heldout_chat.read_text(encoding="utf-8").splitlines()
+                 if line.strip()]
+    elif args.text_file is None and args.distill_dir is None and prompts_file.is_file():
         rows = [json.loads(line) for line in prompts_file.read_text().splitlines()]
-        prompts = [tokenizer.encode(r["prompt"]).ids for r in rows]
+        prompts, kinds = [tokenizer.encode(r["prompt"]).ids for r in rows], [r["kind"] for r in rows]
+    if prompts is not None:
         from specserve.methods.dflash.drafter import load_dflash
 
         served = load_dflash(args.out, target)   # the stored (bf16) weights, as the server loads them
-        heldout = heldout_acceptance(served, target, prompts, [r["kind"] for r in rows],
+        heldout = heldout_acceptance(served, target, prompts, kinds,
                                      new_tokens=args.heldout_tokens, block_size=args.block_size)
     else:
         heldout = {"all": None, "note": "no held-out prompts for a custom corpus"}
     last = log_rows[-40:]
     summary = {"target": Path(args.target).as_posix(), "steps": args.steps, "seq_len": args.seq_len,
                "cache_sequences": int(cache["tokens"].shape[0]), "self_continuations": int(cache["num_self"]),
+               **({"distill": cache["data"]} if "data" in cache else {}),
                "seqs_per_step": args.seqs_per_step, "anchors_per_seq": args.anchors, "block_sizes": sizes,
                "gamma": args.gamma, "config": cfg.to_dict(), "seed": args.seed,
                "parameters": sum(p.numel() for p in drafter.parameters()),
