@@ -278,8 +278,13 @@ def distilled_trainer_args(description: str, *, steps: int, batch: int, batch_he
     ap.add_argument("--batch", type=int, default=batch, help=batch_help)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--ckpt-every", type=int, default=ckpt_every)
+    ap.add_argument("--stop-at", type=int, default=None,
+                    help="checkpoint and exit at this step (to split a long run; rerun to resume)")
     ap.add_argument("--accept-prompts", type=int, default=8, help="held-out benchmark prompts for the "
                     "in-process acceptance figure (evaluation only)")
+    ap.add_argument("--accept-chat", type=Path, default=None,
+                    help="take the acceptance prompts from this held-out chat set (jsonl of messages, e.g. "
+                         "models/smollm2/heldout_chat.jsonl), rendered by the target's chat template")
     ap.add_argument("--accept-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
@@ -290,6 +295,16 @@ def heldout_benchmark_prompts(tokenizer, n: int) -> list[list[int]]:
     """The first n benchmark prompts (models/demo/heldout_prompts.jsonl): evaluation only."""
     lines = (ROOT / "models/demo/heldout_prompts.jsonl").read_text().splitlines()[:n]
     return [tokenizer.encode(json.loads(x)["prompt"]).ids for x in lines]
+
+
+def acceptance_prompts(args: argparse.Namespace, tokenizer) -> list[list[int]]:
+    """The first --accept-prompts held-out prompts of the in-process acceptance figure (evaluation
+    only): of --accept-chat rendered as the server renders chat, else the demo benchmark prompts."""
+    if args.accept_chat is not None:
+        from train_eagle3 import heldout_chat_prompts  # noqa: PLC0415 — pulls in transformers
+
+        return heldout_chat_prompts(args.target, args.accept_chat)[:args.accept_prompts]
+    return heldout_benchmark_prompts(tokenizer, args.accept_prompts)
 
 
 def acceptance_in_process(target: Transformer, method: str, proposer, prompts: list[list[int]], *,

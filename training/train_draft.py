@@ -4,6 +4,12 @@ The student is an ordinary tied-embedding Llama (HF layout, loads with specserve
 whose embedding starts as the target's embedding projected onto its top principal directions
 (E_draft = E_target · P, P the top `hidden` right singular vectors of E_target): since both LMs
 read logits off their embedding, the student starts able to express the target's output space.
+--init-from-target instead makes the student the target's own architecture cut to a few layers:
+its embedding, --layers of its decoder layers (--target-layers, default evenly spaced from the
+first to the last), its final norm and its LM head (tied as the target's config says), so the
+student starts as the target with layers skipped (all layers kept: exactly the target). Its
+embedding and LM head are the target's vocabulary; --freeze-embedding keeps them the target's
+bytes (and skips their optimizer state, most of the memory for a 49 k vocabulary).
 Loss: cross-entropy against the target's renormalised top-K distribution at every position
 (soft labels from the distillation cache, training/distill_cache.py: train-split corpus windows +
 the target's greedy continuations of train-split prompts). No target forward during training.
@@ -22,6 +28,7 @@ command), a tqdm bar, a jsonl log per step. The demo draft model:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -32,7 +39,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distill_cache import (DistillCache, acceptance_in_process, distilled_trainer_args,  # noqa: E402
-                           heldout_benchmark_prompts)
+                           acceptance_prompts, row_groups)
 from run_checkpoint import resume, save  # noqa: E402
 from train_eagle import causal_batch  # noqa: E402 — the whole-sequence causal batch
 
@@ -72,19 +79,48 @@ def init_student(target: Transformer, cfg: ModelConfig, seed: int) -> Transforme
     return model
 
 
+def spaced_layers(num_layers: int, n: int) -> list[int]:
+    """n layer ids evenly spaced over 0..num_layers-1, first and last included (n = 1: the last)."""
+    if not 1 <= n <= num_layers:
+        raise ValueError(f"cannot keep {n} of the target's {num_layers} layers")
+    if n == 1:
+        return [num_layers - 1]
+    return [round(i * (num_layers - 1) / (n - 1)) for i in range(n)]
+
+
+def student_from_target(target: Transformer, layer_ids: list[int]) -> Transformer:
+    """The target cut to `layer_ids` (in that order): its config with fewer layers, its embedding,
+    those decoder layers, its final norm, its LM head tied or not as the target's is."""
+    c = target.cfg
+    if c.model_type != "llama" or c.attention_bias or c.sliding_window or c.rope.rope_type != "default":
+        raise SystemExit("--init-from-target makes Llama draft models (no attention bias, sliding window or "
+                         f"RoPE scaling); the target is {c.model_type}")
+    if any(not 0 <= i < c.num_layers for i in layer_ids):
+        raise SystemExit(f"--target-layers {layer_ids}: the target has layers 0..{c.num_layers - 1}")
+    model = Transformer(dataclasses.replace(c, num_layers=len(layer_ids))).to(target.dtype)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(target.embed_tokens.weight)
+        if not c.tie_word_embeddings:
+            model.lm_head.weight.copy_(target.lm_head.weight)
+        model.norm.load_state_dict(target.norm.state_dict())
+        for dst, i in zip(model.layers, layer_ids):
+            dst.load_state_dict(target.layers[i].state_dict())
+    return model
+
+
 def student_logits(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
     return model.logits(model.forward(causal_batch(tokens), cache=None).hidden)  # [B, T, V]
 
 
 @torch.no_grad()
-def agreement(model: Transformer, cache: DistillCache, *, greedy_rows_from: int, batch: int = 16) -> dict:
+def agreement(model: Transformer, cache: DistillCache, *, batch: int = 16) -> dict:
+    """Teacher-forced top-1 agreement with the target over the cache, and per row origin."""
     hits = []
     for i in range(0, len(cache.tokens), batch):
         hits.append(student_logits(model, cache.tokens[i:i + batch]).argmax(-1) == cache.top_ids[i:i + batch, :, 0])
     h = torch.cat(hits)  # [N, T]
     return {"all": round(float(h.float().mean()), 4),
-            "corpus_windows": round(float(h[:greedy_rows_from].float().mean()), 4),
-            "greedy_continuations": round(float(h[greedy_rows_from:].float().mean()), 4),
+            **{name: round(float(h[rows].float().mean()), 4) for name, rows in row_groups(cache.meta).items()},
             "positions": h.numel()}
 
 
@@ -97,16 +133,35 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--intermediate", type=int, default=768)
     ap.add_argument("--max-draft-len", type=int, default=4)
+    ap.add_argument("--init-from-target", action="store_true",
+                    help="the target cut to --layers of its layers (its embedding, norm and LM head); "
+                         "--hidden/--heads/--kv-heads/--intermediate are then the target's")
+    ap.add_argument("--target-layers", type=int, nargs="+", default=None,
+                    help="--init-from-target: the target's layers to keep, in order (default: --layers "
+                         "evenly spaced, first and last included)")
+    ap.add_argument("--freeze-embedding", action="store_true",
+                    help="--init-from-target: keep the target's embedding and LM head as they are (not trained)")
     args = ap.parse_args(argv)
+    if (args.target_layers or args.freeze_embedding) and not args.init_from_target:
+        ap.error("--target-layers and --freeze-embedding go with --init-from-target")
     if args.threads:
         torch.set_num_threads(args.threads)
 
     target = load_model(args.target)
     train, heldout = load_cache(args.cache / "train.pt"), load_cache(args.cache / "heldout.pt")
-    cfg = draft_config(target, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-                       intermediate=args.intermediate)
-    model = init_student(target, cfg, args.seed).train().requires_grad_(True)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    if args.init_from_target:
+        layer_ids = args.target_layers or spaced_layers(target.cfg.num_layers, args.layers)
+        model = student_from_target(target, layer_ids).train().requires_grad_(True)
+        if args.freeze_embedding:
+            model.embed_tokens.requires_grad_(False)
+            model.lm_head.requires_grad_(False)
+    else:
+        layer_ids = None
+        cfg = draft_config(target, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                           intermediate=args.intermediate)
+        model = init_student(target, cfg, args.seed).train().requires_grad_(True)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / max(1, args.steps)))
 
@@ -120,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     bar = tqdm(total=args.steps, initial=step, desc="draft model", unit="step")
     t0 = time.time()
     with log_file.open("a") as log:
-        while step < args.steps:
+        stop_at = min(args.steps, args.stop_at or args.steps)
+        while step < stop_at:
             g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)  # per step: resumable
             idx = torch.randint(len(train.tokens), (args.batch,), generator=g)
             logits = student_logits(model, train.tokens[idx])  # [B, T, V]
@@ -129,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
             loss = -(teacher.softmax(-1) * logq).sum(-1).mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(trained, 1.0)
             opt.step()
             sched.step()
             step += 1
@@ -138,10 +194,13 @@ def main(argv: list[str] | None = None) -> None:
                                   "lr": sched.get_last_lr()[0]}) + "\n")
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{top1:.3f}")
-            if step % args.ckpt_every == 0 or step == args.steps:
+            if step % args.ckpt_every == 0 or step == stop_at:
                 log.flush()
                 save(ckpt, "model", model, opt, sched, step, elapsed=elapsed + time.time() - t0)
     bar.close()
+    if step < args.steps:
+        print(f"stopped at step {step} of {args.steps}; rerun the same command to resume", file=sys.stderr)
+        return
     elapsed += time.time() - t0
     model.eval().requires_grad_(False)
     save_draft_model(model, args.out, tokenizer_from=args.target)
@@ -153,15 +212,18 @@ def main(argv: list[str] | None = None) -> None:
 
     tokenizer = Tokenizer.from_file(str(args.target / "tokenizer.json"))
     saved = load_draft_model(args.out, target, tokenizer)
-    agree = agreement(saved, heldout, greedy_rows_from=heldout.meta["corpus_windows"])
-    prompts = heldout_benchmark_prompts(tokenizer, args.accept_prompts)
+    agree = agreement(saved, heldout)
+    prompts = acceptance_prompts(args, tokenizer)
     max_len = max(len(p) for p in prompts) + args.accept_new_tokens + 1
     proposer = DraftModelProposer(saved, max_num_seqs=4, max_model_len=max_len, max_draft_len=args.max_draft_len)
     accept = acceptance_in_process(target, "draft", proposer, prompts, new_tokens=args.accept_new_tokens,
                                    max_draft_len=args.max_draft_len)
     params = sum(p.numel() for p in saved.parameters())
-    summary = {"target": args.target.as_posix(), "config": {"hidden": args.hidden, "layers": args.layers,
-               "heads": args.heads, "kv_heads": args.kv_heads, "intermediate": args.intermediate},
+    c = saved.cfg
+    summary = {"target": args.target.as_posix(), "config": {"hidden": c.hidden_size, "layers": c.num_layers,
+               "heads": c.num_heads, "kv_heads": c.num_kv_heads, "intermediate": c.intermediate_size},
+               "init": ({"from_target_layers": layer_ids, "frozen_embedding": args.freeze_embedding}
+                        if args.init_from_target else "random, embedding projected onto the target's"),
                "parameters": params, "steps": args.steps, "batch_rows": args.batch,
                "row_length": int(train.tokens.shape[1]),
                "tokens_seen": args.steps * args.batch * int(train.tokens.shape[1]),

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distill_cache import (DistillCache, acceptance_in_process, distilled_trainer_args,  # noqa: E402
-                           heldout_benchmark_prompts, row_groups)
+                           acceptance_prompts, heldout_benchmark_prompts, row_groups)
 from run_checkpoint import resume, save  # noqa: E402
 
 from specserve.model.transformer import load_model  # noqa: E402
@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     bar = tqdm(total=args.steps, initial=step, desc="MTP heads", unit="step")
     t0 = time.time()
     with log_file.open("a") as log:
-        while step < args.steps:
+        stop_at = min(args.steps, args.stop_at or args.steps)
+        while step < stop_at:
             g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)  # per step: resumable
             feats, ids, teacher = gather(train, pos[torch.randint(len(pos), (args.batch,), generator=g)], k)
             logits = heads(feats)  # [B, k, V]
@@ -154,10 +155,13 @@ def main(argv: list[str] | None = None) -> None:
             log.write(json.dumps(row) + "\n")
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", top1="/".join(f"{x:.2f}" for x in top1.tolist()))
-            if step % args.ckpt_every == 0 or step == args.steps:
+            if step % args.ckpt_every == 0 or step == stop_at:
                 log.flush()
                 save(ckpt, "heads", heads.heads, opt, sched, step, elapsed=elapsed + time.time() - t0)
     bar.close()
+    if step < args.steps:
+        print(f"stopped at step {step} of {args.steps}; rerun the same command to resume", file=sys.stderr)
+        return
     elapsed += time.time() - t0
     heads.eval()
     greedy = row_groups(heldout.meta).get("greedy_continuations")  # a distill folder's cache has none apart
@@ -174,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
                                 "agreement_per_head": head_agreement(target, saved, recheck_rows(target, tokenizer))}
     proposer = MTPHeadsProposer(saved, max_draft_len=k)
     report["acceptance_in_process"] = acceptance_in_process(
-        target, "mtp_heads", proposer, heldout_benchmark_prompts(tokenizer, args.accept_prompts),
+        target, "mtp_heads", proposer, acceptance_prompts(args, tokenizer),
         new_tokens=args.accept_new_tokens, max_draft_len=k)
     summary = {"target": args.target.as_posix(), "heads": k, "intermediate_size": args.intermediate,
                "steps": args.steps, "batch_positions": args.batch, "seed": args.seed, "lr": args.lr,

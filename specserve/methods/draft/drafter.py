@@ -71,21 +71,23 @@ def load_draft_model(folder: str | Path, target: Transformer, target_tokenizer, 
 
 def save_draft_model(model: Transformer, folder: str | Path, *, tokenizer_from: str | Path,
                      extra_config: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Write `model` as a Hugging Face Llama folder (separate q/k/v and gate/up projections, tied
-    embeddings: no lm_head tensor) with the tokenizer files of `tokenizer_from`."""
+    """Write `model` as a Hugging Face Llama folder (separate q/k/v and gate/up projections; an
+    lm_head tensor only when the embeddings are untied) with the tokenizer files of `tokenizer_from`."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     c = model.cfg
-    if not c.tie_word_embeddings or c.model_type != "llama":
-        raise ValueError("save_draft_model writes tied-embedding Llama models")
+    if c.model_type != "llama" or c.attention_bias or c.sliding_window or c.rope.rope_type != "default":
+        raise ValueError("save_draft_model writes Llama models without attention bias, sliding window or "
+                         "RoPE scaling")
     state = {}
     for k, v in model.state_dict().items():
-        if k == "lm_head.weight":
-            continue
         v = v.detach().to(dtype).contiguous()
-        if k.endswith("qkv_proj.weight"):
+        if k == "lm_head.weight":
+            if not c.tie_word_embeddings:
+                state[k] = v
+        elif k.endswith("qkv_proj.weight"):
             p = k[: -len("qkv_proj.weight")]
             q, kk, vv = v.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim])
             state |= {f"model.{p}q_proj.weight": q.contiguous(), f"model.{p}k_proj.weight": kk.contiguous(),
@@ -102,7 +104,7 @@ def save_draft_model(model: Transformer, folder: str | Path, *, tokenizer_from: 
            "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
            "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
            "rope_theta": c.rope.theta, "max_position_embeddings": c.max_position_embeddings,
-           "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False,
+           "tie_word_embeddings": c.tie_word_embeddings, "attention_bias": False, "mlp_bias": False,
            "bos_token_id": c.bos_token_id,
            "eos_token_id": list(c.eos_token_ids) if len(c.eos_token_ids) != 1 else c.eos_token_ids[0],
            "torch_dtype": str(dtype).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch."),
