@@ -12,7 +12,8 @@ embedding and LM head are the target's vocabulary; --freeze-embedding keeps them
 bytes (and skips their optimizer state, most of the memory for a 49 k vocabulary).
 Loss: cross-entropy against the target's renormalised top-K distribution at every position
 (soft labels from the distillation cache, training/distill_cache.py: train-split corpus windows +
-the target's greedy continuations of train-split prompts). No target forward during training.
+the target's greedy continuations of train-split prompts, or a self-distillation folder's windows
+with --distill-dir there). No target forward during training.
 
 Reported: held-out teacher-forced top-1 agreement with the target, and the draft model's
 acceptance length in process (engine, spec_method draft vs none, greedy, held-out benchmark

@@ -4,7 +4,8 @@ Head j reads f_t (the target's final hidden state at position t) and learns the 
 next-token distribution at position t+1+j, i.e. the distribution of token t+2+j (top-K soft
 labels: cross-entropy against the target's renormalised top-K probabilities). Everything comes
 from the distillation cache (training/distill_cache.py: train-split corpus windows + the target's
-greedy continuations of train-split prompts), so no target forward runs during training.
+greedy continuations of train-split prompts, or a self-distillation folder's windows with
+--distill-dir there), so no target forward runs during training.
 
 Reported: per-head teacher-forced top-1 agreement with the target (argmax head_j(f_t) == the
 target's argmax at t+1+j) on the HELD-OUT cache (held-out documents and greedy continuations of
