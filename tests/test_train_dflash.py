@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_served_checkpoint
+from conftest import make_served_checkpoint, make_tiny_checkpoint
 from specserve.model.transformer import load_model
 from test_distill_cache import ITEMS, write_folder
 
@@ -60,3 +60,13 @@ def test_a_held_out_prompt_in_the_folder_stops_training(target_dir, tmp_path):
     with pytest.raises(HeldoutLeak, match=r"^training prompt contains held-out chat prompt 4: "):
         run(target_dir, folder, tmp_path, "x", "--steps", "1")
     assert not (tmp_path / "work-x" / "cache.pt").exists()
+
+
+def test_the_cache_keeps_argmax_ids_past_int16(tmp_path):
+    """A 49 k vocabulary (SmolLM2) overflows int16: the cache keeps the target's argmax as it is."""
+    target = load_model(make_tiny_checkpoint(tmp_path / "t", "llama", vocab_size=40000, seed=1))
+    tokens = torch.randint(0, 40000, (2, 16), generator=torch.Generator().manual_seed(0))
+    cache = train_dflash.target_cache(target, tokens, (0,))
+    with torch.no_grad():
+        want = target.logits(target.forward(train_dflash.causal_batch(tokens), cache=None).hidden).argmax(-1)
+    assert bool((want > 32767).any()) and torch.equal(cache["argmax"].long(), want)

@@ -75,13 +75,14 @@ def greedy_continuations(target: Transformer, stream: list[int], *, n: int, prom
 @torch.inference_mode()
 def target_cache(target: Transformer, seqs: torch.Tensor, layers: tuple[int, ...], batch: int = 8) -> dict:
     """seqs [N, T] → features [N, T, (1+L) D] fp16 (final hidden, then each layer's residual) and
-    the target's argmax [N, T] (int16)."""
+    the target's argmax [N, T] (int16, or int32 for a vocabulary past int16's range: SmolLM2's 49 152)."""
+    id_dtype = torch.int16 if target.cfg.vocab_size <= torch.iinfo(torch.int16).max + 1 else torch.int32
     feats, argmax = [], []
     for i in tqdm(range(0, len(seqs), batch), desc="target features", unit="batch"):
         x = seqs[i:i + batch]
         out = target.forward(causal_batch(x), cache=None, hidden_layers=layers)
         feats.append(torch.cat([out.hidden] + [out.layer_hidden[l] for l in layers], -1).half())
-        argmax.append(target.logits(out.hidden).argmax(-1).to(torch.int16))
+        argmax.append(target.logits(out.hidden).argmax(-1).to(id_dtype))
     return {"tokens": seqs, "features": torch.cat(feats), "argmax": torch.cat(argmax)}
 
 
