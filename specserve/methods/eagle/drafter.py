@@ -95,9 +95,12 @@ def is_eagle3_state(state: dict) -> bool:
 
 def is_eagle3_folder(path: str | Path) -> bool:
     """Whether a drafter folder holds the EAGLE-3 layout, from its weights' names (a safetensors
-    header read, no tensors) — what deployment decisions need before any weight is loaded."""
+    header read, no tensors) — what deployment decisions need before any weight is loaded. A
+    folder with no weights is not (loading it says what is missing)."""
     path = Path(path)
     st = path / "model.safetensors"
+    if not st.is_file() and not (path / "pytorch_model.bin").is_file():
+        return False
     if st.is_file():
         from safetensors import safe_open
 
