@@ -7,8 +7,8 @@ The step picks draft tokens in the draft vocabulary (argmax, an inverse-CDF draw
 choice, over Vd entries rather than V: warping and drawing cost the draft vocabulary's size) and
 maps them to target ids; what verification reads is the drafter's q expanded to the target
 vocabulary, exactly zero outside the draft ids, as the dynamic EAGLE proposer's
-(eagle3.Eagle3Drafter.to_target gives the same q; it is not used here because it asks the device
-whether d2t is all zeros: the target ids are computed once, at start).
+(eagle3.Eagle3Drafter.to_target gives the same q over logits; here the draft ids are picked first
+and mapped with the drafter's target ids, made once when its vocabulary is set).
 
 Worked example (target vocabulary V = 8, draft vocabulary Vd = 3 on target ids [2, 3, 5], so
 d2t = [2, 2, 3]): own logits [0.1, 1.5, -0.2] → greedy draft id 1 → target id 1 + d2t[1] = 3;

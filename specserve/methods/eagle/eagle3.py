@@ -106,6 +106,11 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))  # [Vd] offsets
         self.register_buffer("t2d", torch.ones(V, dtype=torch.bool) if draft_vocab_size == V
                              else torch.zeros(V, dtype=torch.bool))                     # [V]
+        # The map in both forms every consumer needs, made once here and in set_vocab, never per
+        # step: [Vd] target id of each draft id (not saved: it follows from d2t), and whether the
+        # draft vocabulary is the target's own, as a host bool so to_target needs no device sync.
+        self.register_buffer("ids", torch.arange(draft_vocab_size), persistent=False)     # [Vd]
+        self._identity = draft_vocab_size == V
         self.rotary = RotaryEmbedding(cfg.rope)
         self.calibration = CalibrationHead(D) if calibration else None
 
@@ -124,9 +129,11 @@ class Eagle3Drafter(nn.Module):
             raise CheckpointError("d2t must map draft ids to distinct target ids, the ones t2d marks")
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d.bool())
+        self.ids.copy_(ids)
+        self._identity = ids.numel() == V and bool((d2t == 0).all())
 
     def target_ids(self) -> torch.Tensor:
-        return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t  # [Vd]
+        return self.ids  # [Vd]
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         # features [B, T, (1 + L) D] (the final hidden state, then the L named layers) → g [B, T, D]
@@ -144,7 +151,7 @@ class Eagle3Drafter(nn.Module):
 
     def to_target(self, logits_d: torch.Tensor) -> torch.Tensor:
         # [..., Vd] → [..., V]: -inf outside the draft vocabulary, so its softmax is q there and 0 elsewhere
-        if self.draft_vocab_size == self.cfg.vocab_size and not bool(self.d2t.any()):
+        if self._identity:
             return logits_d
         full = logits_d.new_full((*logits_d.shape[:-1], self.cfg.vocab_size), float("-inf"))
         full[..., self.target_ids()] = logits_d
