@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
-import pytest
-import torch
+# Tests run several torch processes at once on few cores (two xdist workers, each with its
+# tritonservers and their Python-backend stubs). OpenMP's default wait policy spins an idle thread
+# on its core for a while after each parallel region, burning a core another process needs, and
+# a thread descheduled at a barrier stalls the whole region: beside other jobs on this 2-core
+# machine test_triton_dflash.py took 142 CPU-s and 245 s spinning, 48 CPU-s and 115 s with
+# PASSIVE. libgomp reads it when it loads, with torch (imported below); the servers the tests
+# start inherit it. A value set by whoever runs the tests wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # `specserve serve` as a child process (tests that serve through the CLI; benchmarks use it too).
 from specserve.cli.serve_process import serve_process  # noqa: F401
