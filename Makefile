@@ -57,7 +57,7 @@ chat-peers: smollm2 peers
 
 # Every method and the peers on SmolLM2 in one run (benchmarks/compare.py): held-out chat + HumanEval
 # prompts, greedy and T = 0.7, c = 1 and 16, fp32 / bf16 / int8 / int4 targets; docs/compare/.
-# About 45 min on 2 quiet cores (estimated). Drafters: COMPARE_ARGS="--drafter eagle=models/smollm2/eagle ...".
+# About 30 min on 2 quiet cores (estimated, not timed). Drafters: COMPARE_ARGS="--drafter eagle=models/smollm2/eagle ...".
 COMPARE_ARGS ?=
 compare: smollm2 peers
 	$(PY) benchmarks/compare.py $(COMPARE_ARGS)

@@ -13,7 +13,9 @@ Rows (a row is one system at one temperature and concurrency):
                          (--drafter METHOD=DIR) is reported as skipped, never run on a random one.
                          Pass 2 (issue 26): `none` and the best speculative method of pass 1
                          (fastest at c = 1, greedy) on bf16, int8, int4 (--quantize) and the kept
-                         Q4_1 target (--kept-q4, from `specserve import-gguf --keep-quantized`).
+                         Q4_1 target (--kept-q4, from `specserve import-gguf --keep-quantized`),
+                         alternated with each other; the peers are not rerun there (set pass 2's
+                         rows beside pass 1's llama.cpp rows knowing that).
     hf_generate, hf_prompt_lookup, hf_assisted
                          transformers generate on the same folder (fp32): plain, prompt lookup (set
                          like our ngram), assisted by --draft-model; c = 1 only (batch size 1)
@@ -75,7 +77,8 @@ from specserve.cli.bench.workload import WorkloadRequest  # noqa: E402
 
 TARGET = ROOT / "models" / "smollm2" / "target"
 OUT = ROOT / "docs" / "compare"
-DEFAULT_RUN_TIME = "about 45 minutes on 2 quiet cores of this machine (estimated from measured c = 1 speeds, not timed)"
+DEFAULT_RUN_TIME = ("about 30 minutes on 2 quiet cores with no drafters given (an estimate from the c = 1 speeds "
+                    "issue 26 measured: 16 prompts x 64 tokens per row, 4 servers; not timed)")
 NO_DRAFTER = "no drafter for this target"
 PEER_C1 = "serves one request at a time: c = 1 only"
 clock = time.perf_counter
@@ -371,7 +374,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def peers(args, threads: int, drafters: dict[str, Path], bytes_fp32: int, log) -> tuple[list[System], dict, dict]:
+def peers(args, threads: int, bytes_fp32: int, log) -> tuple[list[System], dict, dict]:
     """The peer systems, their skip reasons and their per-row extras."""
     systems, skipped, extra = [], {}, {}
     if "hf" in args.peers:
@@ -477,7 +480,7 @@ def run(args, log=lambda *a: print(*a, file=sys.stderr, flush=True)) -> dict:
     del target
     extra = {f"{cfg} {m}": {"weight_bytes_per_step": bytes_per_step[cfg], "draft_memory_bytes": mem.bytes_per_sequence,
                             "draft_memory_how": mem.how} for cfg in folders for m, mem in memory.items()}
-    peer_systems, peer_skips, peer_extra = peers(args, threads, drafters, bytes_per_step["fp32"], log)
+    peer_systems, peer_skips, peer_extra = peers(args, threads, bytes_per_step["fp32"], log)
     skipped.update(peer_skips)
     extra.update(peer_extra)
     for m, reason in skips.items():
