@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install aiperf peers chat-peers test demo smollm2 serve bench engine-bench eagle-bench dspark-bench dflash-bench mtp-bench gpu-check image-check admin-key clean
+.PHONY: install aiperf peers chat-peers compare test demo smollm2 serve bench engine-bench eagle-bench dspark-bench dflash-bench mtp-bench gpu-check image-check admin-key clean
 
 install: $(STAMP)
 
@@ -54,6 +54,13 @@ $(PEERS_STAMP): $(STAMP)
 CHAT_PEERS_ARGS ?= --prompts 10 --new-tokens 128 --cores 2
 chat-peers: smollm2 peers
 	$(PY) benchmarks/chat_peers.py $(CHAT_PEERS_ARGS)
+
+# Every method and the peers on SmolLM2 in one run (benchmarks/compare.py): held-out chat + HumanEval
+# prompts, greedy and T = 0.7, c = 1 and 16, fp32 / bf16 / int8 / int4 targets; docs/compare/.
+# About 30 min on 2 quiet cores (estimated, not timed). Drafters: COMPARE_ARGS="--drafter eagle=models/smollm2/eagle ...".
+COMPARE_ARGS ?=
+compare: smollm2 peers
+	$(PY) benchmarks/compare.py $(COMPARE_ARGS)
 
 # Two pytest workers, each whole test file on one of them (its module-scoped servers and its
 # test order stay together): the tests run torch on one thread each, so one worker leaves a

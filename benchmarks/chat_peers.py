@@ -29,7 +29,6 @@ OUT.md (the tables). docs/smollm2/peers.md says what is measured.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -40,41 +39,24 @@ import sys
 import tempfile
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from specserve.cli.bench.events import Chunk, RequestRecord
+from specserve.cli.bench.local_peers import LLAMA_LOOKUP as LOOKUP
+from specserve.cli.bench.local_peers import LLAMA_MISSING, hf_runner, llama_runners, missing
 from specserve.cli.bench.metrics import distribution, e2e, tpot, ttft
+from specserve.cli.bench.prompts import Prompt, balanced_subset, chat_prompts, read_chat_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
 HELDOUT = ROOT / "models" / "smollm2" / "heldout_chat.jsonl"
 TARGET = ROOT / "models" / "smollm2" / "target"
-# The ngram settings the peers get, as specserve/cli/bench/peers.py sets transformers' prompt
-# lookup like our `ngram`: 4 draft tokens, n-grams up to 3.
-LOOKUP = {"num_pred_tokens": 4, "max_ngram_size": 3}
 GOAL_MS_PER_CHUNK, GOAL_PCT = 2.0, 5.0   # issue 21: the OpenAI layer's overhead against gRPC
 clock = time.perf_counter
 
 
 # -- pure logic (tests/test_chat_peers.py) -------------------------------------------------------
-def balanced_subset(rows: list[dict], n: int, kinds: list[str] | None = None) -> list[dict]:
-    """n rows taken round-robin over the kinds (in the order they first appear, or as given),
-    each kind's rows in file order, so every kind gets n // len(kinds) or one more."""
-    kinds = kinds or list(dict.fromkeys(r["kind"] for r in rows))
-    unknown = [k for k in kinds if not any(r["kind"] == k for r in rows)]
-    if unknown:
-        raise ValueError(f"no prompts of kind {', '.join(unknown)}")
-    queues = {k: [r for r in rows if r["kind"] == k] for k in kinds}
-    out: list[dict] = []
-    while len(out) < n and any(queues.values()):
-        for k in kinds:
-            if queues[k] and len(out) < n:
-                out.append(queues[k].pop(0))
-    return out
-
-
 def throughput(records: list[RequestRecord]) -> float | None:
     """Output tokens / s over the requests' own wall time (exact at concurrency 1)."""
     secs = sum(e2e(r) for r in records)
@@ -108,25 +90,8 @@ def summarize(records: list[RequestRecord]) -> dict:
 
 
 # -- the prompts ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Prompt:
-    index: int
-    kind: str
-    messages: list[dict]
-    text: str            # rendered by the chat template, ending with the assistant turn's opening
-    ids: list[int]       # tokenized as preprocess does
-
-
 def load_prompts(n: int, kinds: list[str] | None) -> list[Prompt]:
-    from specserve.openai.chat import ChatTemplate
-
-    rows = [json.loads(line) for line in HELDOUT.read_text().splitlines() if line.strip()]
-    template = ChatTemplate(TARGET)
-    out = []
-    for i, row in enumerate(balanced_subset(rows, n, kinds)):
-        text = template.render(row["messages"])
-        out.append(Prompt(i, row["kind"], row["messages"], text, template.tokenizer(text).input_ids))
-    return out
+    return chat_prompts(TARGET, balanced_subset(read_chat_rows(HELDOUT), n, kinds))
 
 
 # -- the systems: each runs one prompt and returns its RequestRecord -------------------------------
@@ -177,63 +142,7 @@ def grpc_runner(url: str, method: str) -> Runner:
     return run
 
 
-def hf_runner(model, tokenizer) -> Runner:
-    pad = model.generation_config.pad_token_id
-    import torch
-    from transformers.generation.streamers import BaseStreamer
-
-    class Timing(BaseStreamer):
-        """Timestamps each step's new tokens; generate's first put() is the prompt."""
-
-        def __init__(self, rec: RequestRecord):
-            self.rec, self.seen_prompt = rec, False
-
-        def put(self, value):
-            if self.seen_prompt:
-                self.rec.chunks.append(Chunk(clock(), int(value.numel())))
-            self.seen_prompt = True
-
-        def end(self):
-            pass
-
-    def run(p: Prompt, max_tokens: int) -> RequestRecord:
-        ids = torch.tensor([p.ids])
-        rec = RequestRecord(p.index, "none", p.kind, send_t=clock())
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
-                                 pad_token_id=pad, streamer=Timing(rec))
-        rec.end_t = clock()
-        new = out[0, ids.shape[1]:].tolist()
-        rec.num_input_tokens, rec.num_output_tokens = len(p.ids), len(new)
-        rec.text = tokenizer.decode(new, skip_special_tokens=True)
-        return rec
-    return run
-
-
-def llama_runner(llm, tokenizer, eos_ids: set[int], method: str) -> Runner:
-    def run(p: Prompt, max_tokens: int) -> RequestRecord:
-        # No reuse of the previous request's KV prefix (all prompts share the template's system
-        # turn): every system here prefills the whole prompt.
-        llm.reset()
-        rec = RequestRecord(p.index, method, p.kind, send_t=clock())
-        new: list[int] = []
-        for tok in llm.generate(p.ids, temp=0.0, repeat_penalty=1.0, reset=True):
-            rec.chunks.append(Chunk(clock(), 1))
-            new.append(tok)
-            if tok in eos_ids or len(new) >= max_tokens:   # the eos token counts, as in generate
-                break
-        rec.end_t = clock()
-        rec.num_input_tokens, rec.num_output_tokens = len(p.ids), len(new)
-        rec.text = tokenizer.decode(new, skip_special_tokens=True)
-        return rec
-    return run
-
-
 # -- setup ---------------------------------------------------------------------------------------
-def missing(package: str, install: str) -> str | None:
-    return None if importlib.util.find_spec(package) else f"the {package} package is not installed ({install})"
-
-
 def serve_flags(drafters: list[str]) -> tuple[str, ...]:
     """c = 1: two KV slots are plenty; 2048 holds every held-out prompt and its answer. Drafters
     only where a method needs one (--drafter METHOD=DIR, as `specserve serve` takes them)."""
@@ -460,24 +369,15 @@ def add_peers(systems: dict[str, Runner], skipped: dict[str, str], peers: list[s
             model = transformers.AutoModelForCausalLM.from_pretrained(str(TARGET), dtype=getattr(torch, dtype)).eval()
             systems[f"hf_generate_{dtype}"] = hf_runner(model, tokenizer)
     if "llama" in peers:
-        reason = missing("llama_cpp", "`make peers` installs llama-cpp-python")
+        reason = missing("llama_cpp", LLAMA_MISSING)
         if reason:
             for name in ("llama_cpp", "llama_cpp_lookup"):
                 skipped[name] = reason
             print(f"chat_peers: skipping llama.cpp: {reason}", flush=True)
         else:
-            from llama_cpp import Llama
-            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
             from specserve.model.smollm2 import verified_gguf
 
-            gguf = str(verified_gguf())
-            eos = transformers.GenerationConfig.from_pretrained(str(TARGET)).eos_token_id
-            eos = {eos} if isinstance(eos, int) else set(eos or [])
-            common = dict(model_path=gguf, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
-            systems["llama_cpp"] = llama_runner(Llama(**common), tokenizer, eos, "none")
-            systems["llama_cpp_lookup"] = llama_runner(
-                Llama(**common, draft_model=LlamaPromptLookupDecoding(**LOOKUP)), tokenizer, eos, "lookup")
+            systems.update(llama_runners(verified_gguf(), TARGET, threads))
 
 
 def measure(systems: dict[str, Runner], prompts: list[Prompt], new_tokens: int) -> dict[str, list[RequestRecord]]:

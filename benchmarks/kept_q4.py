@@ -30,7 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from quantize_quality import chat_prompts, decode_tok_s, greedy, weight_bytes  # noqa: E402
+from quantize_quality import chat_prompts, decode_tok_s, greedy  # noqa: E402
+
+from specserve.cli.bench.bandwidth import weight_bytes  # noqa: E402
 
 OUT = ROOT / "docs" / "quantize" / "kept_q4.json"
 

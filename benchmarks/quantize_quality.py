@@ -42,6 +42,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+from specserve.cli.bench.bandwidth import weight_bytes  # noqa: E402
+
 CHAT = ROOT / "models" / "smollm2" / "heldout_chat.jsonl"
 TEXTS = ROOT / "models" / "demo" / "heldout_prompts.jsonl"
 OUT = ROOT / "docs" / "quantize" / "quantize_quality.json"
@@ -78,23 +80,6 @@ def build(target: Path, cfg: Config, group_size: int, max_num_seqs: int):
         head.weight = model.lm_head.weight
         model.lm_head = Int8Linear(head) if cfg.quantize == "int8" else Int4Linear.from_linear(head, group_size)
     return engine, tok
-
-
-def weight_bytes(model) -> int:
-    """Bytes of the weights a decode step reads: every parameter and buffer but the embedding
-    table (a step reads one row of it) and RoPE's tables; a tied head counted once."""
-    seen, total = set(), 0
-    tensors = list(model.named_parameters()) + list(model.named_buffers())
-    embed = model.embed_tokens.weight
-    head_is_embed = getattr(model.lm_head, "weight", None) is embed
-    for name, t in tensors:
-        if id(t) in seen or name.startswith("rotary"):
-            continue
-        seen.add(id(t))
-        if t is embed and not head_is_embed:
-            continue
-        total += t.numel() * t.element_size()
-    return total
 
 
 def chat_prompts(target: Path, n: int, tok) -> list[list[int]]:

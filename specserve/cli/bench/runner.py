@@ -27,13 +27,13 @@ clock = time.perf_counter
 
 
 class StreamDriver:
-    def __init__(self, url: str, model: str = "llm", timeout_s: float = 600.0):
-        self.url, self.model, self.timeout_s = url, model, timeout_s
+    def __init__(self, url: str, model: str = "llm", timeout_s: float = 600.0, temperature: float = 0.0):
+        self.url, self.model, self.timeout_s, self.temperature = url, model, timeout_s, temperature
 
     def sampling(self, req: WorkloadRequest, method: str) -> dict:
-        # Greedy: speculation is lossless, so every method produces the same tokens and the
-        # comparison is of time alone.
-        return {"max_tokens": req.max_tokens, "temperature": 0.0, "spec_method": method}
+        # Greedy by default: speculation is lossless, so every method produces the same tokens and
+        # the comparison is of time alone. Sampled (make compare's T = 0.7): the same distribution.
+        return {"max_tokens": req.max_tokens, "temperature": self.temperature, "spec_method": method}
 
     def run(self, req: WorkloadRequest, method: str, send_at: float | None = None) -> RequestRecord:
         """Send req (at clock() == send_at when given) and wait for its final response."""
