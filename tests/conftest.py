@@ -24,6 +24,11 @@ from specserve.cli.serve_process import serve_process  # noqa: F401
 # Tests use tiny tensors, where torch's intra-op thread pool only costs: with another process
 # busy on the second core, a [4, 5] softmax took 4 ms with 2 threads and 1.4 us with 1.
 torch.set_num_threads(1)
+# The same for every process the tests start (tritonserver's model stubs, `specserve serve`,
+# tensor-parallel workers): launch.server_env keeps a set OMP_NUM_THREADS, and with its default
+# of 2 a stub's idle OpenMP worker spins beside the engine thread on a shared 2-core machine
+# (measured: test_triton_eagle's fused tests 67 CPU s with 2, 37 s with 1; same outputs).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 FAMILIES = ("llama", "qwen2", "mistral")
 
