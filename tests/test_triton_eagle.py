@@ -102,7 +102,10 @@ def fused_server(tmp_path_factory):
 
 
 def gen(srv, prompt, method, max_tokens=40):
-    return StreamClient(srv.grpc_url).generate(prompt, {"max_tokens": max_tokens, "spec_method": method})
+    # 600 s guards against a hang only: a stream held while a drafter version loads waits for
+    # that load, which on a loaded machine outlasts the client's 120 s default.
+    return StreamClient(srv.grpc_url).generate(prompt, {"max_tokens": max_tokens, "spec_method": method},
+                                               timeout=600)
 
 
 def test_remote_eagle_greedy_equals_none(server):
