@@ -31,10 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +43,7 @@ from typing import Callable
 from specserve.cli.bench.events import Chunk, RequestRecord
 from specserve.cli.bench.local_peers import LLAMA_LOOKUP as LOOKUP
 from specserve.cli.bench.local_peers import LLAMA_MISSING, hf_runner, llama_runners, missing
+from specserve.cli.bench.machine import machine_info
 from specserve.cli.bench.metrics import distribution, e2e, tpot, ttft
 from specserve.cli.bench.prompts import Prompt, balanced_subset, chat_prompts, read_chat_rows
 
@@ -171,28 +170,7 @@ def start_server(stack: ExitStack, dtype: str, env: dict, flags: tuple[str, ...]
 
 
 def machine(cores: list[int], loadavg_start: tuple[float, float, float]) -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    import torch
-
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), None)
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    versions = {}
-    for pkg in ("torch", "transformers", "llama_cpp_python", "openai", "tritonclient"):
-        try:
-            versions[pkg] = version(pkg)
-        except PackageNotFoundError:
-            versions[pkg] = None
-    def git(*cmd: str) -> str:
-        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    return {"cpu": model, "cpu_count": os.cpu_count(), "cores_used": cores,
-            "bf16_matmul_flags": [f for f in flags if f in ("avx512_bf16", "amx_bf16", "amx_tile")],
-            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "loadavg_start": loadavg_start, "loadavg_end": os.getloadavg(), "platform": platform.platform(), "python": platform.python_version(),
-            "versions": versions,
-            "specserve_commit": git("rev-parse", "HEAD"), "uncommitted_changes": bool(git("status", "--porcelain"))}
+    return machine_info(ROOT, cores, loadavg_start)
 
 
 # -- report --------------------------------------------------------------------------------------

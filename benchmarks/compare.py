@@ -47,13 +47,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -68,6 +65,7 @@ from specserve.cli.bench.bandwidth import Bandwidth, bound_fraction, copy_bandwi
 from specserve.cli.bench.events import RequestRecord, Window  # noqa: E402
 from specserve.cli.bench.local_peers import (LLAMA_MISSING, Runner, gguf_bytes_per_step, hf_runner,  # noqa: E402
                                              llama_runners, missing, source_gguf)
+from specserve.cli.bench.machine import machine_info  # noqa: E402
 from specserve.cli.bench.metrics import summarize  # noqa: E402
 from specserve.cli.bench.peers import HF_NGRAM  # noqa: E402
 from specserve.cli.bench.prompts import (Prompt, balanced_subset, chat_prompts, completion_prompts,  # noqa: E402
@@ -306,27 +304,8 @@ def load_prompts(args) -> list[Prompt]:
     return chat + completion_prompts(args.target, "humaneval", code, start=len(chat))
 
 
-def machine(cores: list[int], loadavg_start) -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    import torch
-
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), None)
-    versions = {}
-    for pkg in ("torch", "transformers", "llama_cpp_python", "tritonclient", "numpy"):
-        try:
-            versions[pkg] = version(pkg)
-        except PackageNotFoundError:
-            versions[pkg] = None
-
-    def git(*cmd: str) -> str:
-        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    return {"cpu": model, "cpu_count": os.cpu_count(), "cores_used": cores, "loadavg_start": loadavg_start,
-            "loadavg_end": os.getloadavg(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "versions": versions,
-            "specserve_commit": git("rev-parse", "HEAD"), "uncommitted_changes": bool(git("status", "--porcelain"))}
+def machine(cores: list[int], loadavg_start: tuple[float, float, float]) -> dict:
+    return machine_info(ROOT, cores, loadavg_start)
 
 
 def shown(path: Path | None) -> str | None:
