@@ -214,12 +214,13 @@ def prompt_tokens(cells: dict[tuple[str, float, int], Cell], prompts: list[Promp
 def rows(cells: dict[tuple[str, float, int], Cell], systems: dict[str, System], extra: dict[str, dict],
          bandwidth: Bandwidth) -> list[dict]:
     out = []
+    figs = {key: figures(cell) for key, cell in cells.items()}   # each cell summarized once
     for (name, temperature, c), cell in cells.items():
         s = systems[name]
-        f = figures(cell)
+        f = figs[(name, temperature, c)]
         none_key = (f"{s.config} none", temperature, c) if s.config else ("fp32 none", temperature, 1)
         none = cells.get(none_key)
-        none_tps = figures(none)["tokens_per_s"] if none else None
+        none_tps = figs[none_key]["tokens_per_s"] if none else None
         row = {"system": name, "config": s.config, "method": s.method, "temperature": temperature,
                "concurrency": c, "status": "run", **f,
                "x_none": f["tokens_per_s"] / none_tps if f["tokens_per_s"] and none_tps else None,
