@@ -164,7 +164,7 @@ def test_killed_run_resumes_without_duplicates_or_gaps(reference, target, source
     written = [r["id"] for r in records(tmp_path)]
     assert written and set(written) <= set(seen[:6])   # whole shards only: the 7th was never written
     (tmp_path / "shards" / "shard-00002.tmp").write_text('{"id": "half a shard"')   # a kill mid-write
-    distill_data.run(config(target, tmp_path), sources)
+    distill_data.run(config(target, tmp_path, max_num_seqs=2), sources)   # resumed batching narrower
     got = records(tmp_path)
     assert len(got) == len({r["id"] for r in got}) == len(want)
     assert {r["id"]: (r["prompt_ids"], r["response_ids"]) for r in got} == \
