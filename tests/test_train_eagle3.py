@@ -118,6 +118,53 @@ def test_distill_shards_are_read_as_prompt_plus_response(tmp_path):
     assert (shards / "shard-00001.jsonl.tmp").exists()
 
 
+def test_distill_windows_end_at_an_item_and_mask_all_but_its_response():
+    """Each window is the last T tokens of the stream up to an item's end; the mask marks the
+    positions whose next token is a response token. Drawn by response tokens, seeded."""
+    from distill_corpus import DistillSequence
+
+    items = [DistillSequence("a", "man", False, [1, 2, 3, 4, 5], 3),
+             DistillSequence("b", "man", False, [6, 7, 8, 9], 1),
+             DistillSequence("c", "man", True, [10, 11, 12], 2)]
+    want = {(2, 3, 4, 5): (0, 1, 1, 0), (6, 7, 8, 9): (1, 1, 1, 0), (9, 10, 11, 12): (0, 0, 1, 0)}
+    data = train_eagle3.distill_windows(items, seq_len=4, batch=3, seed=5)
+    seen = []
+    for _ in range(60):
+        tokens, mask = next(data)
+        assert tokens.shape == mask.shape == (3, 4)
+        for row, m in zip(tokens.tolist(), mask.tolist()):
+            assert want[tuple(row)] == tuple(int(x) for x in m)
+            seen.append(tuple(row))
+    n = {w: seen.count(w) for w in want}
+    assert n[(6, 7, 8, 9)] > n[(2, 3, 4, 5)] > n[(9, 10, 11, 12)] > 0   # weights 3 : 2 : 1
+    again = train_eagle3.distill_windows(items, seq_len=4, batch=3, seed=5)
+    assert all(torch.equal(next(again)[0], torch.tensor(seen[3 * i:3 * i + 3])) for i in range(60))
+
+
+def test_the_loss_mask_leaves_positions_out_of_the_step(tmp_path):
+    """A mask of ones is the unmasked step; a mask of zeros learns nothing (zero loss, no update)."""
+    target = load_model(make_tiny_checkpoint(tmp_path / "t", "llama", seed=3, num_hidden_layers=4))
+    cfg = target.cfg.__class__(**{**target.cfg.__dict__, "num_layers": 1})
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def step(mask):
+        torch.manual_seed(0)
+        d = Eagle3Drafter(cfg, (0, 1, 3), 64)
+        d.set_vocab(*draft_vocab(torch.arange(cfg.vocab_size), 64))
+        train_eagle3.init_from_target(d, target)
+        before = [p.detach().clone() for p in d.parameters()]
+        opt = torch.optim.SGD(d.parameters(), lr=0.1)
+        losses = train_eagle3.train_step(d, target, tokens, opt, ttt_steps=3, loss_mask=mask)
+        return losses, any(not torch.equal(a, b) for a, b in zip(before, d.parameters()))
+
+    plain, moved = step(None)
+    ones, moved_ones = step(torch.ones(2, 16))
+    zeros, moved_zeros = step(torch.zeros(2, 16))
+    assert plain.ce > 0 and moved and moved_ones
+    assert ones.ce == plain.ce and ones.top1 == plain.top1
+    assert zeros.ce == 0 and zeros.top1 == [0.0, 0.0, 0.0] and not moved_zeros
+
+
 def test_distill_prompts_are_the_items_prompts_seeded(tmp_path):
     """The calibration head of a chat drafter is fit on the distill folder's own prompts (what the
     server will see), never their responses: the ids before response_start, a seeded sample."""

@@ -8,7 +8,8 @@ calibration head and its report are train_eagle's (imported from it).
 
   data      corpus windows and the target's own continuations, as train_eagle (--text-file or the
             demo corpus), or the self-distillation shards of training/distill_data.py
-            (--distill-dir: prompt + response of each item, read only);
+            (--distill-dir: prompt + response of each item, read only; windows end at an item's
+            end and the loss is on its response only, --loss-on; see distill_windows);
   vocab     the --draft-vocab most frequent tokens of that data → d2t (draft id → target id
             offsets) and t2d (mask over the target vocabulary), fixed before step 0, saved in the
             work dir (a resumed run reads it back) and in the drafter;
@@ -84,6 +85,35 @@ def distill_prompts(folder: Path, n: int, seed: int) -> list[list[int]]:
     return prompts[:max(0, n)]
 
 
+def distill_windows(items: list[distill_corpus.DistillSequence], *, seq_len: int, batch: int, seed: int):
+    """Endless deterministic batches of (tokens [B, T], loss mask [B, T]) from a distill folder.
+
+    Each window ends where an item ends, so it holds that item's response whole (or its last T
+    tokens) after as much of its prompt, then the item before it, as fits. mask[b, p] is 1 where
+    token p + 1 is a response token: the drafter learns the target on what the target writes, not
+    on the documents and code its prompts quote (60 % of the folder's tokens), which it will never
+    draft. Items are drawn in proportion to the response tokens a window of theirs holds."""
+    stream: list[int] = []
+    is_response: list[bool] = []
+    for it in items:
+        stream += it.tokens
+        is_response += [False] * it.response_start + [True] * it.response_tokens
+    if len(stream) < seq_len:
+        raise SystemExit(f"the distill folder holds {len(stream)} tokens, fewer than --seq-len {seq_len}")
+    predicts = torch.tensor(is_response[1:] + [False], dtype=torch.float32)   # [N] token p+1 is a response
+    ends, weights, end = [], [], 0
+    for it in items:
+        end += len(it.tokens)
+        ends.append(max(end, seq_len))
+        weights.append(min(it.response_tokens, seq_len))
+    tokens = torch.tensor(stream)                                             # [N]
+    rng = random.Random(seed)
+    while True:
+        rows = [e - seq_len for e in rng.choices(ends, weights=weights, k=batch)]
+        yield (torch.stack([tokens[r:r + seq_len] for r in rows]),              # [B, T]
+               torch.stack([predicts[r:r + seq_len] for r in rows]))            # [B, T]
+
+
 def heldout_chat_prompts(target_dir: Path, chat_file: Path) -> list[list[int]]:
     """A held-out chat set (jsonl, one {"messages": [...]} per line) rendered by the target's chat
     template as the OpenAI layer renders it, tokenized as preprocess does: for the calibration
@@ -136,7 +166,11 @@ class Losses:
     top1: list[float]    # per step: drafted token (mapped to target ids) == the target's argmax
 
 
-def train_step(drafter: Eagle3Drafter, target: Transformer, tokens: torch.Tensor, opt, *, ttt_steps: int) -> Losses:
+def train_step(drafter: Eagle3Drafter, target: Transformer, tokens: torch.Tensor, opt, *, ttt_steps: int,
+               loss_mask: torch.Tensor | None = None) -> Losses:
+    """One optimizer step on tokens [B, T]. loss_mask [B, T] (1: learn the target's distribution
+    at that position; distill_windows) leaves the other positions out of the loss and of top1;
+    None learns every position."""
     B, T = tokens.shape
     n = T - 1 - (ttt_steps - 1)   # pairs per step: step k predicts t_{i+k+2}, which must exist
     layers = drafter.feature_layers
@@ -159,9 +193,12 @@ def train_step(drafter: Eagle3Drafter, target: Transformer, tokens: torch.Tensor
         with torch.no_grad():
             p = t[..., ids].softmax(-1)                                 # restricted to the draft vocab
             keep = drafter.t2d[t.argmax(-1)].float()                    # [B, n]
+            counted = torch.ones_like(keep) if loss_mask is None else loss_mask[:, 1 + k:1 + k + n]
+            keep = keep * counted
         ce = (-(p * logp).sum(-1) * keep).sum() / keep.sum().clamp_min(1)
         total = total + TTT_DECAY ** k * ce
-        top1.append(float((ids[logp.argmax(-1)] == t.argmax(-1)).float().mean()))
+        hit = (ids[logp.argmax(-1)] == t.argmax(-1)).float()
+        top1.append(float((hit * counted).sum() / counted.sum().clamp_min(1)))
     opt.zero_grad(set_to_none=True)
     total.backward()
     torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -210,6 +247,9 @@ def main(argv: list[str] | None = None) -> None:
                          "default: 2, L/2, L-3, the public EAGLE-3 choice")
     ap.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (capped at the target's)")
     ap.add_argument("--ttt-steps", type=int, default=4, help="unrolled steps per window (training-time test)")
+    ap.add_argument("--loss-on", choices=("responses", "all"), default="responses",
+                    help="with --distill-dir: learn the target on its responses only (windows end at an "
+                         "item's end) or on every token of prompt + response windows")
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8)
@@ -246,8 +286,9 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.time()
 
     if args.distill_dir is not None:
-        seqs = distill_sequences(args.distill_dir)
-        stream = [t for s in seqs for t in s]   # windows may cross items: the corpus-window path
+        items = distill_items(args.distill_dir)
+        seqs = [s.tokens for s in items]
+        stream = [t for s in seqs for t in s]   # the calibration windows and the vocabulary count
         extra = seqs
     else:
         stream = e1.corpus_token_stream(tokenizer, args.text_file, "train")
@@ -285,14 +326,18 @@ def main(argv: list[str] | None = None) -> None:
     state = resume(ckpt, "drafter", drafter, opt, sched)
     if state:
         step, log_rows = state["step"], state["log"]
-    data = e1.batches(stream, extra, seq_len=args.seq_len, batch=args.batch, seed=args.seed)
+    if args.distill_dir is not None and args.loss_on == "responses":
+        data = distill_windows(items, seq_len=args.seq_len, batch=args.batch, seed=args.seed)
+    else:
+        data = ((t, None) for t in e1.batches(stream, extra, seq_len=args.seq_len, batch=args.batch, seed=args.seed))
     for _ in range(step):  # replay the data order so a resumed run sees the same batches
         next(data)
     bar = tqdm(total=args.steps, initial=step, desc="EAGLE-3 backbone", unit="step")
     drafter.train()
     stop_at = min(args.steps, args.stop_at or args.steps)
     while step < stop_at:
-        losses = train_step(drafter, target, next(data), opt, ttt_steps=args.ttt_steps)
+        tokens, mask = next(data)
+        losses = train_step(drafter, target, tokens, opt, ttt_steps=args.ttt_steps, loss_mask=mask)
         sched.step()
         step += 1
         log_rows.append({"step": step, **losses.__dict__})
@@ -335,6 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     tail = log_rows[-20:]
     summary = {"target": str(args.target), "steps": args.steps, "seq_len": args.seq_len, "batch": args.batch,
                "ttt_steps": args.ttt_steps, "draft_vocab_size": drafter.draft_vocab_size,
+               "loss_on": args.loss_on if args.distill_dir is not None else "all",
                "saved_dtype": args.save_dtype,
                "draft_vocab_coverage": round(float(token_counts([stream] + extra, V)[drafter.t2d].sum())
                                              / max(1, sum(len(s) for s in [stream] + extra)), 4),
