@@ -35,7 +35,7 @@ of another width rounds differently in bf16).
 
 Also measured: this machine's memory bandwidth (a copy loop) and each configuration's weight bytes
 per decode step, so c = 1 tokens/s is shown as a fraction of the bandwidth bound; draft memory per
-sequence from each drafter's state shapes (specserve/cli/bench/draft_memory.py).
+sequence as each served proposer reports it (Proposer.sequence_state; cli/bench/draft_memory.py).
 
 Writes OUT/compare.json (command, machine, prompts, settings, every figure), OUT/README.md (one
 table) and OUT/compare.png (one plot); OUT defaults to docs/compare. Defaults are sized for a 2-core CPU:
@@ -455,10 +455,10 @@ def run(args, log=lambda *a: print(*a, file=sys.stderr, flush=True)) -> dict:
         del folders["q4_1"]
     bytes_per_step = {name: config_bytes(folder, configs[name], args.group_size) for name, folder in folders.items()}
     target = load_model(args.target)
-    memory = {m: draft_memory(m, drafters, target, max_model_len=args.max_model_len,
-                              max_draft_len=DeploymentSettings(args.target).max_draft_len) for m in methods}
+    memory = draft_memory(target, DeploymentSettings(args.target, max_model_len=args.max_model_len,
+                                                     drafters=tuple((m, str(d)) for m, d in drafters.items())), methods)
     del target
-    extra = {f"{cfg} {m}": {"weight_bytes_per_step": bytes_per_step[cfg], "draft_memory_bytes": mem.bytes_per_sequence,
+    extra = {f"{cfg} {m}": {"weight_bytes_per_step": bytes_per_step[cfg], "draft_memory_bytes": mem.bytes,
                             "draft_memory_how": mem.how} for cfg in folders for m, mem in memory.items()}
     peer_systems, peer_skips, peer_extra = peers(args, threads, bytes_per_step["fp32"], log)
     skipped.update(peer_skips)
@@ -515,7 +515,7 @@ def run(args, log=lambda *a: print(*a, file=sys.stderr, flush=True)) -> dict:
                      "hf_prompt_lookup": HF_NGRAM, "default_run_time": DEFAULT_RUN_TIME},
         "methods": {"registered": list(registry.names()), "run": methods, "best": best},
         "weight_bytes_per_step": bytes_per_step,
-        "draft_memory": {m: mem.to_dict() for m, mem in memory.items()},
+        "draft_memory": {m: {"bytes_per_sequence": mem.bytes, "how": mem.how} for m, mem in memory.items()},
         "rows": rows(cells, systems, extra, bandwidth),
         "skipped": [{"system": k, "reason": v} for k, v in skipped.items()],
         "checks": checks, "failures": failures,

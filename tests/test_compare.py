@@ -91,7 +91,7 @@ def test_bandwidth_bytes_per_step_and_draft_memory(report):
             assert row["bandwidth_bound_fraction"] is None
     assert r["draft_memory"]["none"] == {"bytes_per_sequence": 0, "how": "no drafter state"}
     eagle = r["draft_memory"]["eagle"]
-    assert eagle["bytes_per_sequence"] > 0 and eagle["how"].startswith("EAGLE drafter KV cache, one slot of ")
+    assert eagle["bytes_per_sequence"] > 0 and eagle["how"].startswith("one slot of the drafter's KV cache (")
 
 
 def test_report_files(report):

@@ -44,6 +44,8 @@ def test_each_spec_matches_the_proposer_it_builds(built, name):
         assert caps.needs_features or not proposer.needs_features
     else:
         assert proposer.needs_features == caps.needs_features
+    state = proposer.sequence_state(256)   # every proposer counts its own per-sequence state
+    assert (state.bytes == 0) == (spec.drafts_with == "nothing"), state
 
 
 def test_the_registry_is_consistent():

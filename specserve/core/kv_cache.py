@@ -49,6 +49,11 @@ class KVCache:
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot's keys and values (every slot is allocated whole, at max_len)."""
+        return (self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()) // self.num_slots
+
     # -- per-layer access used by the model's attention ----------------------------------------
     def write(self, layer: int, slots: torch.Tensor, starts: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:

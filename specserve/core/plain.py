@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults
+from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, SequenceState
 
 
 class NoProposer(ProposerDefaults):
@@ -10,3 +10,6 @@ class NoProposer(ProposerDefaults):
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         return [Draft.empty() for _ in requests]
+
+    def sequence_state(self, max_model_len: int) -> SequenceState:
+        return SequenceState(0, "no drafter state")

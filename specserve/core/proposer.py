@@ -109,6 +109,15 @@ class DraftRequest:
     seed: int | None = None
 
 
+@dataclass(frozen=True)
+class SequenceState:
+    """The most drafter state one sequence holds (its slot of the proposer's caches and buffers),
+    counted from the tensors the proposer allocated; the drafter's weights, which every sequence
+    shares, are not in it. `how` says what was counted (benchmarks print it)."""
+    bytes: int
+    how: str
+
+
 @dataclass
 class StepOutcome:
     """What the engine tells a proposer after verifying its draft (for per-sequence drafter state)."""
@@ -152,6 +161,10 @@ class Capabilities(Protocol):
 
     def release(self, seq_id: int) -> None:
         """The sequence ended; drop any state kept for it."""
+        ...
+
+    def sequence_state(self, max_model_len: int) -> SequenceState:
+        """The drafter state one sequence of max_model_len tokens holds at most."""
         ...
 
 
@@ -204,6 +217,10 @@ class ProposerDefaults:
 
     def release(self, seq_id: int) -> None:
         pass
+
+    def sequence_state(self, max_model_len: int) -> SequenceState:
+        # No neutral value: a proposer that keeps state and says 0 would be a wrong figure.
+        raise NotImplementedError(f"proposer {self.name!r} does not report its per-sequence state")
 
 
 @dataclass(frozen=True)

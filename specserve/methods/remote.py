@@ -35,7 +35,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, ProposerUnavailable, StepOutcome
+from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, ProposerUnavailable, SequenceState, StepOutcome
 from specserve.methods import row_sampling
 from specserve.methods.calibration_cut import calibration_cut
 
@@ -207,6 +207,10 @@ class RemoteProposer(ProposerDefaults):
 
     def observe(self, outcomes: list[StepOutcome]) -> None:
         pass  # the drafter only ever commits pairs built from true features
+
+    def sequence_state(self, max_model_len: int) -> SequenceState:
+        raise NotImplementedError(f"{self.name}: a remote drafter's state is kept by its Triton model, not here; "
+                                  f"count it on an engine built in process (placement fused)")
 
     def release(self, seq_id: int) -> None:
         if self._seqs.pop(seq_id, None) is not None and self._release is not None:

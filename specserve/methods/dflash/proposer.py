@@ -16,12 +16,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, StepOutcome
+from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, SequenceState, StepOutcome
 from specserve.methods.dflash.options import BLOCK_SIZE
 from specserve.core.repetition import RepetitionGuard
 from specserve.core.sampling import seeded_tokens, target_probs
 from specserve.methods.dflash.drafter import DFlashDrafter
-from specserve.methods.dflash.memory import MemoryView, SequenceMemory
+from specserve.methods.dflash.memory import MemoryView, SequenceMemory, budget_bytes
 from specserve.model.transformer import Transformer
 
 # Per-request option (sampling_parameters → DraftRequest.options; a tier's proposer.block_size):
@@ -93,6 +93,12 @@ class DFlashProposer(ProposerDefaults):
 
     def block_size_of(self, r: DraftRequest) -> int:
         return (r.options or {}).get(OPT_BLOCK_SIZE) or self.block_size
+
+    def sequence_state(self, max_model_len: int) -> SequenceState:
+        c = self.drafter.cfg
+        return SequenceState(budget_bytes(max_model_len, c.window, c.pool_slots, c.pool_rank, c.hidden_size, self.dtype),
+                             f"the bounded memory's budget at {max_model_len} tokens "
+                             f"(W={c.window}, r={c.pool_slots}, ρ={c.pool_rank})")
 
     def memory(self, seq_id: int) -> SequenceMemory | None:
         return self._mem.get(seq_id)

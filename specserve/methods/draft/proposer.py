@@ -25,7 +25,7 @@ import torch
 
 from specserve.core.forward import ForwardBatch
 from specserve.core.masks import build_mask, chain_parents
-from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, StepOutcome
+from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, SequenceState, StepOutcome
 from specserve.core.sampling import seeded_tokens, target_probs
 from specserve.model.transformer import Transformer
 
@@ -50,6 +50,10 @@ class DraftModelProposer(ProposerDefaults):
         # Room past max_model_len: drafted tokens are fed after the sequence's last token.
         self.cache = draft.new_cache(max_num_seqs, max_model_len + max_draft_len + 1)
         self._seqs: dict[int, _SeqState] = {}
+
+    def sequence_state(self, max_model_len: int) -> SequenceState:
+        return SequenceState(self.cache.slot_bytes,
+                             f"one slot of the draft model's KV cache ({self.cache.max_len} positions)")
 
     def _forward(self, rows: list[_SeqState], new: list[list[int]]) -> torch.Tensor:
         """Feed new[b] after rows[b].tokens (all rows in one padded forward) → logits [B, V] of

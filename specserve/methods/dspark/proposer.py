@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from specserve.core.cuda_graphs import GraphCache
 from specserve.core.kv_cache import KVCache
 from specserve.model.transformer import Transformer
-from specserve.core.proposer import DraftRequest, ProposerDefaults
+from specserve.core.proposer import DraftRequest, ProposerDefaults, SequenceState
 from specserve.methods.dspark.head import DraftHead
 from specserve.methods.eagle.drafter import CalibrationHead, EagleDrafter
 from specserve.methods.eagle.eagle3 import Eagle3Drafter
@@ -119,6 +119,13 @@ class DSParkProposer(ProposerDefaults):
         self._scratch = -1
 
     # -- the StaticStepProposer interface (core/proposer.py) -------------------------------------
+    def sequence_state(self, max_model_len: int) -> SequenceState:
+        W, D = self._feats.shape[1:]
+        buffers = self._feats[0].numel() * self._feats.element_size() + self._ftoks[0].numel() * self._ftoks.element_size()
+        return SequenceState(self.eagle.cache.slot_bytes + buffers,
+                             f"one slot of the drafter's KV cache ({self.eagle.cache.max_len} positions) "
+                             f"+ committed pairs: [{W}, {D}] features, [{W}] tokens")
+
     def release(self, seq_id: int) -> None:
         self.eagle.release(seq_id)
         self._pending.pop(seq_id, None)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from specserve.core.forward import ForwardBatch
 from specserve.core.masks import build_mask
-from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, StepOutcome
+from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, SequenceState, StepOutcome
 from specserve.core.sampling import seeded_tokens, target_probs
 from specserve.methods.eagle.drafter import CalibrationHead, EagleDrafter
 from specserve.methods.eagle.eagle3 import Eagle3Drafter
@@ -68,6 +68,9 @@ class EagleProposer(ProposerDefaults):
             target.lm_head.weight if same else target.lm_head.weight.to(self.dtype)
         D = drafter.cfg.hidden_size
         self._feature_width = D * (1 + len(self.feature_layers))  # what the engine sends per token
+
+    def sequence_state(self, max_model_len: int) -> SequenceState:
+        return SequenceState(self.cache.slot_bytes, f"one slot of the drafter's KV cache ({self.cache.max_len} positions)")
 
     # Ingest the true features of newly committed tokens (DSPark calls it for its rows' prompts);
     # returns the last f̂ per row [B, D].

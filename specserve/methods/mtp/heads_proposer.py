@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, StepOutcome
+from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, SequenceState, StepOutcome
 from specserve.core.sampling import seeded_tokens, target_probs
 from specserve.methods.mtp.heads import MTPHeads
 
@@ -40,6 +40,10 @@ class MTPHeadsProposer(ProposerDefaults):
         self.max_draft_len = min(max_draft_len, heads.cfg.num_heads)
         self._seqs: dict[int, _SeqState] = {}
         self.dtype = heads.lm_head_weight.dtype
+
+    def sequence_state(self, max_model_len: int) -> SequenceState:
+        D = self.heads.cfg.hidden_size
+        return SequenceState(D * self.heads.lm_head_weight.element_size(), f"one feature vector [{D}]")
 
     def _last_features(self, requests: list[DraftRequest]) -> tuple[torch.Tensor, list[_SeqState]]:
         """[B, D] f_t per request and the states to store. Stores nothing (a raise here leaves the

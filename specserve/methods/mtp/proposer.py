@@ -32,7 +32,7 @@ import torch
 
 from specserve.methods.mtp.arbiter import ArbiterConfig, Candidate, arbitrate
 from specserve.methods.mtp.options import PROPOSERS as PROPOSERS_OPTION, SUBPROPOSERS, TREE_BUDGET
-from specserve.core.proposer import Draft, DraftRequest, Proposer, ProposerDefaults, ProposerError, StepOutcome
+from specserve.core.proposer import Draft, DraftRequest, Proposer, ProposerDefaults, ProposerError, SequenceState, StepOutcome
 
 log = logging.getLogger("specserve.mtp")
 
@@ -145,6 +145,11 @@ class MultiDraftProposer(ProposerDefaults):
     @property
     def available(self) -> bool:
         return any(p.available for p in self.subs.values())
+
+    def sequence_state(self, max_model_len: int) -> SequenceState:
+        parts = {name: sub.sequence_state(max_model_len) for name, sub in self.subs.items()}
+        return SequenceState(sum(p.bytes for p in parts.values()),
+                             "sum of its drafters': " + ", ".join(f"{n} {p.bytes}" for n, p in parts.items()))
 
     # -- per-request options ------------------------------------------------------------------
     option_keys = (OPT_PROPOSERS, OPT_BUDGET)

@@ -7,7 +7,7 @@ at index 0, so the draft is what followed: [c d a b …] up to max_draft_len tok
 
 from __future__ import annotations
 
-from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults
+from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, SequenceState
 from specserve.methods.ngram.lookup import MAX_N, MIN_N, NUM_DRAFT_TOKENS, lookup
 
 
@@ -18,6 +18,10 @@ class NgramProposer(ProposerDefaults):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.max_n, self.min_n, self.k = max_n, min_n, num_draft_tokens
+
+    def sequence_state(self, max_model_len: int) -> SequenceState:
+        # It looks up the sequence's own tokens, which the engine keeps anyway.
+        return SequenceState(0, "no drafter state")
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         return [Draft.chain(lookup(r.token_ids, max_n=self.max_n, min_n=self.min_n,
