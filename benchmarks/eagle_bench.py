@@ -22,7 +22,6 @@ import json
 import platform
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,29 +35,18 @@ from specserve.methods.eagle.onnx_runtime import CalibrationOnnxRuntime, EagleOn
 from specserve.methods.remote import RemoteProposer
 from specserve.core.sampling import SamplingParams
 from specserve.model.devices import DRAFTER_DTYPES, resolve_drafter_dtype
+from specserve.cli.bench.tally import SpecTally
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@dataclass
-class Tally:
-    seconds: float = 0.0
-    tokens: int = 0
-    steps: int = 0
-    accepted: int = 0
-    drafted: int = 0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    outputs: list = field(default_factory=list)
-
-    def row(self, base: "Tally") -> dict:
-        tps = self.tokens / self.seconds
-        return {"tok_s": round(tps, 2), "speedup_vs_none": round(tps / (base.tokens / base.seconds), 3),
-                "mean_acceptance_length": round((self.accepted + self.steps) / max(1, self.steps), 3),
-                "draft_tokens_per_step": round(self.drafted / max(1, self.steps), 3),
-                "verified_tokens_per_step": round((self.drafted + self.steps) / max(1, self.steps), 3),
-                "draft_ms_per_step": round(1e3 * self.draft_s / max(1, self.steps), 3),
-                "verify_ms_per_step": round(1e3 * self.verify_s / max(1, self.steps), 3)}
+def row(t: SpecTally, base: SpecTally) -> dict:
+    return {"tok_s": round(t.tokens_per_s, 2), "speedup_vs_none": round(t.tokens_per_s / base.tokens_per_s, 3),
+            "mean_acceptance_length": round(t.acceptance_length, 3),
+            "draft_tokens_per_step": round(t.drafted_per_step, 3),
+            "verified_tokens_per_step": round(t.verified_per_step, 3),
+            "draft_ms_per_step": round(t.ms_per_step(t.draft_s), 3),
+            "verify_ms_per_step": round(t.ms_per_step(t.verify_s), 3)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -100,28 +88,19 @@ def main(argv: list[str] | None = None) -> dict:
     }
     engine = Engine(target, EngineConfig(max_num_seqs=1, max_model_len=max_len, max_draft_len=K), proposers)
     methods = ["none", "eagle", "eagle_fixed4", "eagle_remote"]
-    tallies = {m: Tally() for m in methods}
+    tallies = {m: SpecTally() for m in methods}
     # Warm-up (not timed).
     engine.generate([GenerationRequest(f"w{m}", prompts[0], SamplingParams(max_tokens=4), m) for m in methods[:1]])
     for i, p in enumerate(prompts):
         for m in methods:  # alternate configurations prompt by prompt
             t0 = time.perf_counter()
             out = engine.generate([GenerationRequest(f"{m}{i}", p, SamplingParams(max_tokens=n), m)])[f"{m}{i}"]
-            dt = time.perf_counter() - t0
-            t = tallies[m]
-            t.seconds += dt
-            t.tokens += len(out.new_token_ids)
-            t.steps += out.stats.steps
-            t.accepted += out.stats.accepted_tokens
-            t.drafted += out.stats.draft_tokens
-            t.draft_s += out.stats.draft_seconds
-            t.verify_s += out.stats.verify_seconds
-            t.outputs.append(out.new_token_ids)
+            tallies[m].add_engine(out, time.perf_counter() - t0)
     for m in methods[1:]:
         if tallies[m].outputs != tallies["none"].outputs:
             raise SystemExit(f"LOSSLESSNESS VIOLATED: {m} greedy output differs from none")
     base = tallies["none"]
-    rows = {m: tallies[m].row(base) for m in methods}
+    rows = {m: row(tallies[m], base) for m in methods}
     result = {"target": str(args.target), "drafter": str(args.drafter), "prompts": len(prompts),
               "new_tokens": n, "threshold": args.threshold, "max_draft_len": K, "threads": args.threads,
               "drafter_dtype": str(drafter.fc.weight.dtype),

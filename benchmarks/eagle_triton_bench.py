@@ -33,14 +33,14 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from specserve.model.devices import DTYPES  # noqa: E402 (after the sys.path line above)
+from specserve.cli.bench.tally import SpecTally  # noqa: E402 (after the sys.path line above)
+from specserve.model.devices import DTYPES  # noqa: E402
 
 # name → (server, sampling-parameter overrides)
 CONFIGS: dict[str, tuple[str, dict]] = {
@@ -53,45 +53,19 @@ CONFIGS: dict[str, tuple[str, dict]] = {
 DRAFTER_MODELS = ("eagle_proposal", "eagle_backbone", "calibration_head")
 
 
-@dataclass
-class Tally:
-    requests: int = 0
-    seconds: float = 0.0        # client wall clock, request sent → final response
-    ttft: float = 0.0           # … → first response, which carries the prefill's token
-    tokens: int = 0
-    steps: int = 0
-    accepted: int = 0
-    drafted: int = 0
-    draft_s: float = 0.0        # engine: proposer calls
-    verify_s: float = 0.0       # engine: verify forward + acceptance
-    texts: list = field(default_factory=list)
-
-    def add(self, out) -> None:
-        st = out.spec_stats
-        self.requests += 1
-        self.seconds += out.total_s
-        self.ttft += out.first_response_s
-        self.tokens += out.num_output_tokens
-        self.steps += st["steps"]
-        self.accepted += st["accepted_tokens"]
-        self.drafted += st["draft_tokens"]
-        self.draft_s += st["draft_seconds"]
-        self.verify_s += st["verify_seconds"]
-        self.texts.append(out.text)
-
-    def row(self, base: "Tally") -> dict:
-        steps = max(1, self.steps)
-        decode_ms = 1e3 * (self.seconds - self.ttft) / steps
-        draft_ms, verify_ms = 1e3 * self.draft_s / steps, 1e3 * self.verify_s / steps
-        tps, base_tps = self.tokens / self.seconds, base.tokens / base.seconds
-        return {"requests": self.requests, "output_tokens": self.tokens, "steps": self.steps, "tok_s": round(tps, 2),
-                "speedup_vs_none": round(tps / base_tps, 3),
-                "mean_acceptance_length": round((self.accepted + self.steps) / steps, 3),
-                "draft_tokens_per_step": round(self.drafted / steps, 3),
-                "verified_tokens_per_step": round((self.drafted + self.steps) / steps, 3),
-                "step_ms": round(decode_ms, 3), "draft_ms": round(draft_ms, 3), "verify_ms": round(verify_ms, 3),
-                "other_ms": round(decode_ms - draft_ms - verify_ms, 3),
-                "ttft_ms": round(1e3 * self.ttft / max(1, self.requests), 2)}
+def row(t: SpecTally, base: SpecTally) -> dict:
+    """seconds: client wall clock, request sent → final response; ttft: → the first response,
+    which carries the prefill's token; the rest of a request is its decode steps."""
+    decode_ms = t.ms_per_step(t.seconds - t.ttft)
+    draft_ms, verify_ms = t.ms_per_step(t.draft_s), t.ms_per_step(t.verify_s)
+    return {"requests": t.requests, "output_tokens": t.tokens, "steps": t.steps, "tok_s": round(t.tokens_per_s, 2),
+            "speedup_vs_none": round(t.tokens_per_s / base.tokens_per_s, 3),
+            "mean_acceptance_length": round(t.acceptance_length, 3),
+            "draft_tokens_per_step": round(t.drafted_per_step, 3),
+            "verified_tokens_per_step": round(t.verified_per_step, 3),
+            "step_ms": round(decode_ms, 3), "draft_ms": round(draft_ms, 3), "verify_ms": round(verify_ms, 3),
+            "other_ms": round(decode_ms - draft_ms - verify_ms, 3),
+            "ttft_ms": round(1e3 * t.ttft / max(1, t.requests), 2)}
 
 
 def model_stats(client, model: str) -> dict[str, int]:
@@ -179,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
         stats_client = grpcclient.InferenceServerClient(servers["remote"].grpc_url) if "remote" in servers else None
         before = {m: model_stats(stats_client, m) for m in DRAFTER_MODELS} if stats_client else {}
 
-        tallies = {c: Tally() for c in configs}
+        tallies = {c: SpecTally() for c in configs}
         runs = [(i, c) for i in range(len(prompts)) for c in configs[i % len(configs):] + configs[:i % len(configs)]]
         for i, c in tqdm(runs, desc="requests", unit="req"):
             server, policy = CONFIGS[c]
@@ -187,11 +161,12 @@ def main(argv: list[str] | None = None) -> dict:
                                                         "ignore_eos": True, **policy})
             if out.finish_reason != "length" or out.spec_stats.get("proposer_errors"):
                 raise SystemExit(f"{c} prompt {i}: finish {out.finish_reason}, stats {out.spec_stats}")
-            tallies[c].add(out)
+            tallies[c].add(seconds=out.total_s, ttft=out.first_response_s, output=out.text,
+                           tokens=out.num_output_tokens, stats=out.spec_stats)
         after = {m: model_stats(stats_client, m) for m in DRAFTER_MODELS} if stats_client else {}
         if args.dtype == "float32":
             for c in configs:
-                if tallies[c].texts != tallies["none"].texts:
+                if tallies[c].outputs != tallies["none"].outputs:
                     raise SystemExit(f"LOSSLESSNESS VIOLATED: {c} greedy output differs from none")
         ok = True
     finally:
@@ -203,10 +178,10 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"server logs kept in {work}", file=sys.stderr)
 
     base = tallies["none"]
-    rows = {c: tallies[c].row(base) for c in configs}
+    rows = {c: row(tallies[c], base) for c in configs}
     for c in configs:
-        same = sum(a == b for a, b in zip(tallies[c].texts, base.texts))
-        rows[c]["identical_to_none"] = f"{same}/{len(base.texts)}"
+        same = sum(a == b for a, b in zip(tallies[c].outputs, base.outputs))
+        rows[c]["identical_to_none"] = f"{same}/{len(base.outputs)}"
     from specserve.core.paths import shown
 
     result = {"target": shown(args.target), "drafter": shown(args.drafter), "prompts": len(prompts),

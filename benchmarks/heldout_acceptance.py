@@ -29,38 +29,21 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "training"))
 import heldout  # noqa: E402
 
+from specserve.cli.bench.tally import SpecTally  # noqa: E402
 
-@dataclass
-class Tally:
-    steps: int = 0
-    accepted: int = 0
-    drafted: int = 0
-    tokens: int = 0
-    seconds: float = 0.0
-    outputs: list[list[int]] = field(default_factory=list)
 
-    def add(self, out, seconds: float) -> None:
-        self.steps += out.stats.steps
-        self.accepted += out.stats.accepted_tokens
-        self.drafted += out.stats.draft_tokens
-        self.tokens += len(out.new_token_ids)
-        self.seconds += seconds
-        self.outputs.append(list(out.new_token_ids))
-
-    def row(self) -> dict:
-        steps = max(1, self.steps)
-        return {"mean_acceptance_length": round((self.accepted + self.steps) / steps, 3),
-                "draft_tokens_per_step": round(self.drafted / steps, 3),
-                "acceptance_rate": round(self.accepted / max(1, self.drafted), 3),
-                "steps": self.steps, "tokens": self.tokens,
-                "tokens_per_s_in_process": round(self.tokens / self.seconds, 2) if self.seconds else None}
+def row(t: SpecTally) -> dict:
+    return {"mean_acceptance_length": round(t.acceptance_length, 3),
+            "draft_tokens_per_step": round(t.drafted_per_step, 3),
+            "acceptance_rate": round(t.acceptance_rate, 3),
+            "steps": t.steps, "tokens": t.tokens,
+            "tokens_per_s_in_process": round(t.tokens_per_s, 2) if t.seconds else None}
 
 
 def spread(items: list, n: int) -> list:
@@ -150,20 +133,20 @@ def main(argv: list[str] | None = None) -> int:
                            "drafters": [f"{m}={f}" for m, f in drafters], "threads": torch.get_num_threads()},
               "sets": {}, "failures": []}
     for set_name, prompts in sets.items():
-        tallies = {m: Tally() for m in methods}
+        tallies = {m: SpecTally() for m in methods}
         for i, (key, ids) in enumerate(prompts):
             for m in methods[i % len(methods):] + methods[:i % len(methods)]:   # rotated per prompt
                 t0 = time.perf_counter()
                 out = engine.generate([GenerationRequest(f"{set_name}-{m}-{i}", ids, params, m)])[f"{set_name}-{m}-{i}"]
-                tallies[m].add(out, time.perf_counter() - t0)
+                tallies[m].add_engine(out, time.perf_counter() - t0)
             print(f"heldout_acceptance: {set_name} {i + 1}/{len(prompts)} ({key}): " + ", ".join(
-                f"{m} {tallies[m].row()['mean_acceptance_length']:.2f}" for m in methods[1:]), flush=True)
+                f"{m} {row(tallies[m])['mean_acceptance_length']:.2f}" for m in methods[1:]), flush=True)
         for m in methods[1:]:
             bad = [prompts[i][0] for i, (a, b) in enumerate(zip(tallies[m].outputs, tallies["none"].outputs)) if a != b]
             if bad:
                 report["failures"].append(f"{set_name} {m}: greedy output differs from none on {bad}")
         report["sets"][set_name] = {"prompts": [k for k, _ in prompts],
-                                    "methods": {m: tallies[m].row() for m in methods}}
+                                    "methods": {m: row(tallies[m]) for m in methods}}
     report["loadavg_end"] = os.getloadavg()
     md = markdown(report)
     print(md)
