@@ -85,3 +85,33 @@ def test_slots_allocate_release_and_errors(tiny_ckpt):
         cache.compact_path(b, 0, [0, 2, 1])
     with pytest.raises(ValueError, match="outside"):
         cache.truncate(b, 17)
+
+
+def test_slot_runs_split_rows_where_slots_stop_being_consecutive():
+    from specserve.core.kv_cache import slot_runs
+
+    assert slot_runs([4, 5, 6, 0, 2, 3]) == ((0, 3), (3, 4), (4, 6))
+    assert slot_runs([7]) == ((0, 1),) and slot_runs([]) == ()
+    assert slot_runs([3, 2, 1]) == ((0, 1), (1, 2), (2, 3))
+
+
+def test_reading_by_runs_equals_one_gathered_read_bit_for_bit(tiny_ckpt):
+    """Rows in scattered slots: attention over each run's view of the pool gives exactly the
+    hidden states of one read that gathers every row's slot."""
+    from specserve.core.kv_cache import slot_runs
+
+    model = load_model(tiny_ckpt)
+    slots, lens = [5, 6, 0, 3, 4], [9, 4, 7, 11, 6]
+    outs = {}
+    for runs in (None, slot_runs(slots)):
+        cache = model.new_cache(8, 64)
+        g = torch.Generator().manual_seed(0)
+        for s, n in zip(slots, lens):   # each row's own context first
+            run(model, cache, s, 0, torch.randint(0, 200, (n,), generator=g).tolist(), chain_parents(n))
+        tokens = torch.randint(0, 200, (len(slots), 3), generator=g)
+        mask, pos = build_mask(lens, [chain_parents(3)] * len(slots), 3)
+        batch = ForwardBatch(tokens, pos, torch.tensor(slots), torch.tensor(lens), mask, runs)
+        with torch.inference_mode():
+            outs[runs] = model.forward(batch, cache).hidden
+    assert len(slot_runs(slots)) == 3
+    assert torch.equal(outs[None], outs[slot_runs(slots)])

@@ -13,11 +13,24 @@ Layout (docs/design.md, 'State and verification'):  k, v : [layers, slots, kv_he
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 
 class CacheFull(RuntimeError):
     pass
+
+
+def slot_runs(slots: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """Row ranges [a, b) of `slots` (one per row, in row order) whose slots are consecutive:
+    slot_runs([4, 5, 6, 0, 2, 3]) == ((0, 3), (3, 4), (4, 6)). ForwardBatch.slot_runs."""
+    runs, a = [], 0
+    for b in range(1, len(slots) + 1):
+        if b == len(slots) or slots[b] != slots[b - 1] + 1:
+            runs.append((a, b))
+            a = b
+    return tuple(runs)
 
 
 class KVCache:

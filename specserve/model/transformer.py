@@ -132,16 +132,28 @@ class Attention(nn.Module):
         k = k.view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
         v = v.view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
+        if cache is None:
+            out = self._attend(q, k, v, batch.mask)
+        else:
             cache.write(self.layer, batch.slots, batch.starts, k, v)
-            k, v = cache.read(self.layer, batch.slots, batch.mask.shape[-1])  # [B, Hkv, S, hd]
-        gqa = Hkv != H
-        if gqa and self.expand_kv_heads:
-            rep = H // Hkv
-            k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask[:, None], enable_gqa=gqa)
+            S = batch.mask.shape[-1]
+            # One read per run of consecutive slots: each is a view of the pool, where one read of
+            # scattered slots would copy [B, Hkv, S, hd] per layer (ForwardBatch.slot_runs).
+            runs = batch.slot_runs or ((0, B),)
+            out = torch.cat([self._attend(q[a:b], *cache.read(self.layer, batch.slots[a:b], S), batch.mask[a:b])
+                             for a, b in runs]) if len(runs) > 1 else \
+                self._attend(q, *cache.read(self.layer, batch.slots, S), batch.mask)   # k, v [B, Hkv, S, hd]
         # [B, T, D]: this rank's heads' share of o_proj, summed over the ranks
         return self.shard.all_reduce(self.o_proj(out.transpose(1, 2).reshape(B, T, H * hd)))
+
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [B, H, T, hd], k, v [B, Hkv, S, hd], mask [B, T, S] → [B, H, T, hd]."""
+        gqa = self.kv_heads != self.heads
+        if gqa and self.expand_kv_heads:
+            rep = self.heads // self.kv_heads
+            k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
 
 
 class MLP(nn.Module):

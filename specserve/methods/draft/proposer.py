@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.core.forward import ForwardBatch
+from specserve.core.kv_cache import slot_runs
 from specserve.core.masks import build_mask, chain_parents
 from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, SequenceState, StepOutcome
 from specserve.core.sampling import seeded_tokens, target_probs
@@ -66,8 +67,9 @@ class DraftModelProposer(ProposerDefaults):
             tokens[b, :len(n)] = torch.tensor(n)
         mask, positions = build_mask(starts, [chain_parents(len(n)) for n in new], T,
                                      sliding_window=self.draft.cfg.sliding_window)
-        batch = ForwardBatch(tokens.to(dev), positions.to(dev), torch.tensor([st.slot for st in rows], device=dev),
-                             torch.tensor(starts, device=dev), mask.to(dev))
+        slots = [st.slot for st in rows]
+        batch = ForwardBatch(tokens.to(dev), positions.to(dev), torch.tensor(slots, device=dev),
+                             torch.tensor(starts, device=dev), mask.to(dev), slot_runs(slots))
         hidden = self.draft.forward(batch, self.cache).hidden  # [B, T, D]
         last = hidden[torch.arange(len(rows)), torch.tensor([len(n) - 1 for n in new])]  # [B, D]
         for st, n in zip(rows, new):
