@@ -93,6 +93,10 @@ def test_slot_runs_split_rows_where_slots_stop_being_consecutive():
     assert slot_runs([4, 5, 6, 0, 2, 3]) == ((0, 3), (3, 4), (4, 6))
     assert slot_runs([7]) == ((0, 1),) and slot_runs([]) == ()
     assert slot_runs([3, 2, 1]) == ((0, 1), (1, 2), (2, 3))
+    from specserve.core.kv_cache import runs_for
+
+    assert runs_for([4, 5, 0], torch.device("cpu")) == ((0, 2), (2, 3))
+    assert runs_for([4, 5, 0], torch.device("cuda")) is None   # one gather beats a launch per run there
 
 
 def test_reading_by_runs_equals_one_gathered_read_bit_for_bit(tiny_ckpt):

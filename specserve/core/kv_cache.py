@@ -33,6 +33,13 @@ def slot_runs(slots: Sequence[int]) -> tuple[tuple[int, int], ...]:
     return tuple(runs)
 
 
+def runs_for(slots: Sequence[int], device: torch.device) -> tuple[tuple[int, int], ...] | None:
+    """ForwardBatch.slot_runs for a forward on `device`: the runs on a CPU, where gathering
+    scattered slots copies every layer's keys and values through slow memory; None elsewhere,
+    where one gather costs less than an attention launch per run."""
+    return slot_runs(slots) if device.type == "cpu" else None
+
+
 class KVCache:
     def __init__(self, *, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int,
                  head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):

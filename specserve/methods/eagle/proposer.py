@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.core.forward import ForwardBatch
-from specserve.core.kv_cache import slot_runs
+from specserve.core.kv_cache import runs_for
 from specserve.core.masks import build_mask
 from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, SequenceState, StepOutcome
 from specserve.core.sampling import seeded_tokens, target_probs
@@ -125,7 +125,7 @@ class EagleProposer(ProposerDefaults):
         dev = self.target.device
         mask, positions = build_mask(starts, parents, T, sliding_window=self.drafter.cfg.sliding_window)
         batch = ForwardBatch(nxt.to(dev), positions.to(dev), torch.tensor(slots, device=dev),
-                             torch.tensor(starts, device=dev), mask.to(dev), slot_runs(slots))
+                             torch.tensor(starts, device=dev), mask.to(dev), runs_for(slots, dev))
         embeds = F.embedding(batch.tokens, self._embed_w)
         return self.drafter(feats, embeds, batch, self.cache)
 
