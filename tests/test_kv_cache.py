@@ -93,10 +93,18 @@ def test_slot_runs_split_rows_where_slots_stop_being_consecutive():
     assert slot_runs([4, 5, 6, 0, 2, 3]) == ((0, 3), (3, 4), (4, 6))
     assert slot_runs([7]) == ((0, 1),) and slot_runs([]) == ()
     assert slot_runs([3, 2, 1]) == ((0, 1), (1, 2), (2, 3))
-    from specserve.core.kv_cache import runs_for
 
-    assert runs_for([4, 5, 0], torch.device("cpu")) == ((0, 2), (2, 3))
-    assert runs_for([4, 5, 0], torch.device("cuda")) is None   # one gather beats a launch per run there
+
+def test_runs_are_used_where_the_gather_would_copy_more_than_the_limit():
+    from specserve.core.kv_cache import GATHER_BYTES_LIMIT, KVCache
+
+    cache = KVCache(num_layers=1, num_slots=8, num_kv_heads=2, max_len=4096, head_dim=64)
+    per_entry = 2 * 2 * 64 * 4                       # k and v, 2 heads, head_dim 64, fp32: per row and entry
+    at_limit = GATHER_BYTES_LIMIT // (3 * per_entry)  # 3 rows copying exactly the limit
+    assert cache.runs_for([4, 5, 0], at_limit) is None
+    assert cache.runs_for([4, 5, 0], at_limit + 1) == ((0, 2), (2, 3))
+    off_cpu = KVCache(num_layers=1, num_slots=8, num_kv_heads=2, max_len=4096, head_dim=64, device="meta")
+    assert off_cpu.runs_for([4, 5, 0], 4096) is None   # one gather beats a launch per run there
 
 
 def test_reading_by_runs_equals_one_gathered_read_bit_for_bit(tiny_ckpt):

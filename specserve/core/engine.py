@@ -33,7 +33,7 @@ import torch
 from specserve.core.config import EngineConfig
 from specserve.core.scheduling import MAX_PRIORITY, PriorityAging
 from specserve.core.draft_policy import POLICIES, CostTable, DraftPolicy, grid, profile
-from specserve.core.kv_cache import KVCache, runs_for
+from specserve.core.kv_cache import KVCache
 from specserve.core.forward import ForwardBatch, ForwardOutput, TargetModel
 from specserve.core.masks import build_mask
 from specserve.core.proposer import (AnyProposer, Draft, DraftRequest, Proposer, ProposerError, ProposerUnavailable,
@@ -704,7 +704,8 @@ class Engine:
         """The target forward, keeping the residual streams proposers read (feature_layers)."""
         dev = self.model.device
         batch = ForwardBatch(tokens.to(dev), positions.to(dev), torch.tensor(slots, device=dev),
-                             torch.tensor(starts, device=dev), mask.to(dev), runs_for(slots, dev))
+                             torch.tensor(starts, device=dev), mask.to(dev),
+                             self.cache.runs_for(slots, mask.shape[-1]))
         return self.model.forward(batch, self.cache, hidden_layers=self._feature_layers)
 
     # -- output and stop conditions -----------------------------------------------------------

@@ -26,7 +26,7 @@ class ForwardBatch:
     slots: torch.Tensor      # [B] int64 cache slot of each row
     starts: torch.Tensor     # [B] int64 cache offset where this forward's T entries are written
     mask: torch.Tensor       # [B, T, S] bool, True = query t may attend to cache entry s
-    # Row ranges [a, b) whose slots are consecutive, covering the rows in order (kv_cache.slot_runs,
+    # Row ranges [a, b) whose slots are consecutive, covering the rows in order (KVCache.runs_for,
     # worked out on the host by whoever built the batch); None: read all rows at once. Attention
     # reads each run as a view of the pool: one read of scattered slots copies every layer's
     # [B, Hkv, S, hd] (measured: 45 % of a 64-row SmolLM2 decode step on CPU).

@@ -33,11 +33,11 @@ def slot_runs(slots: Sequence[int]) -> tuple[tuple[int, int], ...]:
     return tuple(runs)
 
 
-def runs_for(slots: Sequence[int], device: torch.device) -> tuple[tuple[int, int], ...] | None:
-    """ForwardBatch.slot_runs for a forward on `device`: the runs on a CPU, where gathering
-    scattered slots copies every layer's keys and values through slow memory; None elsewhere,
-    where one gather costs less than an attention launch per run."""
-    return slot_runs(slots) if device.type == "cpu" else None
+# Read run by run only when one gather would copy more than this per layer (keys and values).
+# Measured on this CPU, every run one row long (benchmarks/scattered_slots.py): a 0.8 MB gather
+# was 8 % faster than its runs (demo model, 8 rows x 100 tokens), 3.3 MB 5 % slower (16 x 200),
+# 13 MB 19 % slower (32 x 400), 59 MB 28 % slower (SmolLM2, 64 x 600).
+GATHER_BYTES_LIMIT = 2 << 20
 
 
 class KVCache:
@@ -68,6 +68,16 @@ class KVCache:
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    def runs_for(self, slots: Sequence[int], span: int) -> tuple[tuple[int, int], ...] | None:
+        """ForwardBatch.slot_runs for a forward over these rows reading `span` entries: the runs
+        on a CPU when gathering the rows would copy more than GATHER_BYTES_LIMIT a layer; None
+        (one read) otherwise, and always on CUDA, where one gather costs less than an attention
+        launch per run."""
+        if self.k.device.type != "cpu":
+            return None
+        copied = 2 * len(slots) * self.k.shape[2] * span * self.k.shape[4] * self.k.element_size()
+        return slot_runs(slots) if copied > GATHER_BYTES_LIMIT else None
 
     @property
     def slot_bytes(self) -> int:

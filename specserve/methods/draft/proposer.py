@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 from specserve.core.forward import ForwardBatch
-from specserve.core.kv_cache import runs_for
 from specserve.core.masks import build_mask, chain_parents
 from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, SequenceState, StepOutcome
 from specserve.core.sampling import seeded_tokens, target_probs
@@ -69,7 +68,8 @@ class DraftModelProposer(ProposerDefaults):
                                      sliding_window=self.draft.cfg.sliding_window)
         slots = [st.slot for st in rows]
         batch = ForwardBatch(tokens.to(dev), positions.to(dev), torch.tensor(slots, device=dev),
-                             torch.tensor(starts, device=dev), mask.to(dev), runs_for(slots, dev))
+                             torch.tensor(starts, device=dev), mask.to(dev),
+                             self.cache.runs_for(slots, mask.shape[-1]))
         hidden = self.draft.forward(batch, self.cache).hidden  # [B, T, D]
         last = hidden[torch.arange(len(rows)), torch.tensor([len(n) - 1 for n in new])]  # [B, D]
         for st, n in zip(rows, new):

@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 
 from specserve.core.forward import ForwardBatch
-from specserve.core.kv_cache import runs_for
 from specserve.core.masks import build_mask
 from specserve.core.proposer import Draft, DraftRequest, ProposerDefaults, ProposerError, SequenceState, StepOutcome
 from specserve.core.sampling import seeded_tokens, target_probs
@@ -125,7 +124,8 @@ class EagleProposer(ProposerDefaults):
         dev = self.target.device
         mask, positions = build_mask(starts, parents, T, sliding_window=self.drafter.cfg.sliding_window)
         batch = ForwardBatch(nxt.to(dev), positions.to(dev), torch.tensor(slots, device=dev),
-                             torch.tensor(starts, device=dev), mask.to(dev), runs_for(slots, dev))
+                             torch.tensor(starts, device=dev), mask.to(dev),
+                             self.cache.runs_for(slots, mask.shape[-1]))
         embeds = F.embedding(batch.tokens, self._embed_w)
         return self.drafter(feats, embeds, batch, self.cache)
 
