@@ -146,7 +146,6 @@ class Attention(nn.Module):
         # [B, T, D]: this rank's heads' share of o_proj, summed over the ranks
         return self.shard.all_reduce(self.o_proj(out.transpose(1, 2).reshape(B, T, H * hd)))
 
-
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [B, H, T, hd], k, v [B, Hkv, S, hd], mask [B, T, S] → [B, H, T, hd]."""
         gqa = self.kv_heads != self.heads
