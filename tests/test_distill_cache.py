@@ -17,6 +17,7 @@ from specserve.model.transformer import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 import distill_cache  # noqa: E402
+from distill_shards import gzip_lines  # noqa: E402
 from heldout import HeldoutLeak, load_chat  # noqa: E402
 from train_eagle import causal_batch  # noqa: E402
 
@@ -33,9 +34,9 @@ def write_folder(root: Path, items: dict, contents: dict | None = None) -> Path:
         {"role": "user", "content": (contents or {}).get(i, f"question {i}")}],
         "sampling": {"temperature": 0.7 if i == "i3" else 0.0}, "prompt_ids": p, "response_ids": r})
         for i, (p, r) in items.items()]
-    (shards / "shard-00000.jsonl").write_text("\n".join(rows[:2]) + "\n")
-    (shards / "shard-00001.jsonl").write_text("\n".join(rows[2:]) + "\n")
-    (shards / "shard-00002.jsonl.tmp").write_text("partial")
+    (shards / "shard-00000.jsonl.gz").write_bytes(gzip_lines(rows[:2]))
+    (shards / "shard-00001.jsonl.gz").write_bytes(gzip_lines(rows[2:]))
+    (shards / "shard-00002.tmp").write_text("partial")
     return root
 
 
@@ -75,7 +76,7 @@ def test_the_folder_gives_exactly_the_expected_windows_and_the_targets_outputs(t
         "corpus_windows": 0, "greedy_continuations": 0, "length": 4, "top_k": 3, "tokens": 12}
     assert (val.meta["split"], val.meta["items"], val.meta["distill_windows"]) == ("validation", 2, 2)
     assert distill_cache.row_groups(m) == {"distill_windows": slice(0, None)}
-    assert (folder / "shards" / "shard-00002.jsonl.tmp").read_text() == "partial"   # read only
+    assert (folder / "shards" / "shard-00002.tmp").read_text() == "partial"   # read only
 
 
 def test_max_items_takes_the_first_items_and_a_grown_folder_rebuilds(target_dir, tmp_path):

@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 import distill_corpus  # noqa: E402
+import distill_shards  # noqa: E402
 from distill_shards import ShardStore  # noqa: E402
 from heldout import HeldoutGuard, HeldoutLeak, HeldoutPrompt  # noqa: E402
 
@@ -87,3 +88,25 @@ def test_describe_counts_items_and_response_tokens_by_source(tmp_path):
     assert distill_corpus.describe(distill_corpus.load(run, GUARD)) == {
         "items": 3, "sampled": 1, "response_tokens": 10, "tokens": 19,
         "by_source": {"doc": {"items": 2, "response_tokens": 6}, "man": {"items": 1, "response_tokens": 4}}}
+
+
+def test_shards_are_gzip_with_the_same_bytes_for_the_same_records(tmp_path):
+    """Committed shards must not change when a session makes them again: no timestamp, no name."""
+    a = write_run(tmp_path / "a", [record(0), record(1), record(2)])
+    b = write_run(tmp_path / "b", [record(0), record(1), record(2)])
+    names = [p.name for p in sorted((a / "shards").iterdir())]
+    assert names == ["shard-00000.jsonl.gz", "shard-00001.jsonl.gz"]
+    for name in names:
+        raw = (a / "shards" / name).read_bytes()
+        assert raw[:2] == b"\x1f\x8b" and raw[4:8] == b"\0\0\0\0"   # gzip magic, mtime 0
+        assert raw == (b / "shards" / name).read_bytes()
+    assert [r["id"] for r in distill_shards.read_records(a / "shards")] == ["item-0", "item-1", "item-2"]
+    assert ShardStore(a, 2)._next == 2   # a resumed store numbers on after the last shard
+
+
+def test_shards_are_read_in_number_order_past_five_digits(tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for n in (100000, 99999, 2):
+        (shards / f"shard-{n:05d}.jsonl.gz").write_bytes(distill_shards.gzip_lines([f'{{"id": "{n}"}}']))
+    assert [r["id"] for r in distill_shards.read_records(shards)] == ["2", "99999", "100000"]

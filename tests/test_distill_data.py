@@ -14,6 +14,7 @@ from conftest import make_served_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 import distill_data  # noqa: E402
+import distill_shards  # noqa: E402
 import heldout  # noqa: E402
 from distill_prompts import Sources, code_snippet_of, troff_to_text  # noqa: E402
 
@@ -93,7 +94,7 @@ def config(target, out, **kw) -> distill_data.DistillConfig:
 
 
 def records(out: Path) -> list[dict]:
-    return [json.loads(line) for p in sorted((out / "shards").glob("shard-*.jsonl")) for line in p.open()]
+    return list(distill_shards.read_records(out / "shards"))
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from specserve.methods.eagle.eagle3 import Eagle3Drafter, draft_vocab
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 import train_eagle3  # noqa: E402
+from distill_shards import gzip_lines  # noqa: E402
 
 
 def test_the_unrolled_steps_see_what_drafting_k_tokens_ahead_sees(tmp_path):
@@ -112,10 +113,10 @@ def test_distill_shards_are_read_as_prompt_plus_response(tmp_path):
             {"role": "user", "content": f"question {i}"}], "sampling": {"temperature": 0.0},
             "prompt_ids": prompt, "response_ids": response})
 
-    (shards / "shard-00000.jsonl").write_text(item(0, [1, 2], [3]) + "\n" + item(1, [4], [5, 6]) + "\n")
-    (shards / "shard-00001.jsonl.tmp").write_text("partial")   # a generator mid-write: left alone
+    (shards / "shard-00000.jsonl.gz").write_bytes(gzip_lines([item(0, [1, 2], [3]), item(1, [4], [5, 6])]))
+    (shards / "shard-00001.tmp").write_text("partial")   # a generator mid-write: left alone
     assert train_eagle3.distill_sequences(tmp_path / "d") == [[1, 2, 3], [4, 5, 6]]
-    assert (shards / "shard-00001.jsonl.tmp").exists()
+    assert (shards / "shard-00001.tmp").exists()
 
 
 def test_distill_windows_end_at_an_item_and_mask_all_but_its_response():
@@ -173,7 +174,7 @@ def test_distill_prompts_are_the_items_prompts_seeded(tmp_path):
     rows = [json.dumps({"id": f"i{i}", "phase": "response", "source": "man", "messages": [
         {"role": "user", "content": f"question {i}"}], "sampling": {"temperature": 0.0},
         "prompt_ids": [10 * i, 10 * i + 1], "response_ids": [10 * i + 2]}) for i in range(5)]
-    (shards / "shard-00000.jsonl").write_text("\n".join(rows) + "\n")
+    (shards / "shard-00000.jsonl.gz").write_bytes(gzip_lines(rows))
     got = train_eagle3.distill_prompts(tmp_path / "d", 3, seed=7)
     assert len(got) == 3 and got == train_eagle3.distill_prompts(tmp_path / "d", 3, seed=7)
     assert all(p in [[10 * i, 10 * i + 1] for i in range(5)] for p in got)

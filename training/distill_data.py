@@ -17,7 +17,7 @@ raising HeldoutLeak, right before it is submitted.
 
 Output folder (resumable: run the same command again after a kill; nothing is duplicated or lost):
   run.json       the settings; a resumed run must have the same ones
-  plan.jsonl     the planned prompts, written once (a resumed run does not re-read the machine)
+  plan.jsonl.gz  the planned prompts (gzip, deterministic), written once (a resumed run does not re-read the machine)
   shards/        finished items, whole shards only (training/distill_shards.py); each line:
                  id, phase, source, template, origin, messages, prompt_ids, response_ids,
                  response_text, finish_reason, sampling {temperature, seed, max_tokens}
@@ -40,9 +40,9 @@ from typing import Callable, Iterable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import distill_prompts  # noqa: E402
 import heldout  # noqa: E402
-from distill_shards import ShardStore, write_atomic  # noqa: E402
+from distill_shards import ShardStore, gzip_lines, read_gzip_lines, write_atomic  # noqa: E402
 
-PLAN_FILE, RUN_FILE, SUMMARY_FILE = "plan.jsonl", "run.json", "summary.json"
+PLAN_FILE, RUN_FILE, SUMMARY_FILE = "plan.jsonl.gz", "run.json", "summary.json"
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ def load_or_plan(cfg: DistillConfig, sources: distill_prompts.Sources, guard: he
             raise SettingsChanged(f"{cfg.out} holds a run with other settings ({', '.join(changed)}); "
                                   f"use another --out or the same settings")
         if plan_file.exists():
-            items = [_item_of(json.loads(line)) for line in plan_file.read_text().splitlines()]
+            items = [_item_of(json.loads(line)) for line in read_gzip_lines(plan_file)]
             return items, saved["plan_report"]
     limit = cfg.max_model_len - cfg.max_tokens
 
@@ -162,7 +162,7 @@ def load_or_plan(cfg: DistillConfig, sources: distill_prompts.Sources, guard: he
                   sampling_for(p.id, cfg, cfg.question_tokens if p.phase == "question" else cfg.max_tokens))
              for p in planned]
     cfg.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(plan_file, "".join(json.dumps(_row_of(i), ensure_ascii=False) + "\n" for i in items))
+    write_atomic(plan_file, gzip_lines(json.dumps(_row_of(i), ensure_ascii=False) for i in items))
     report_d = asdict(report)
     write_atomic(run_file, json.dumps({"settings": settings, "plan_report": report_d}, indent=1))
     return items, report_d
