@@ -139,6 +139,18 @@ def test_plan_drops_heldout_prompts_and_generation_refuses_them(reference, targe
         distill_data.generate(engine, [leaked], distill_data.PromptRenderer(target), guard, lambda r: None, "test")
 
 
+def test_origins_are_relative_to_the_searched_folder(reference, sources):
+    """Committed data names each file from its searched folder down, never the planning
+    machine's absolute path (a checkout's .venv, a home directory)."""
+    out, _ = reference
+    root = str(sources.man[0].parent)
+    origins = {r["origin"] for r in records(out)}
+    assert all(root not in o and not o.startswith("/") for o in origins), origins
+    expected = {"man/man1/frob.1", "man/de/man1/frob.1", "doc/frob/README", "stdlib/shapes.py",
+                "site/frob-1.0.dist-info/METADATA"}
+    assert expected <= origins, origins
+
+
 def test_every_source_and_both_samplings_appear(reference):
     out, summary = reference
     got = records(out)

@@ -60,7 +60,9 @@ class PlannedPrompt:
     phase: str              # "question" (the target writes an instruction) | "response"
     source: str
     template: str
-    origin: str             # the file the snippet came from
+    origin: str             # the file the snippet came from, relative to the folder searched
+                            # ("man/man1/ls.1.gz", "site-packages/x.dist-info/METADATA"): no
+                            # path of the machine that planned goes into committed data
     messages: list[dict] = field(hash=False)
 
 
@@ -150,8 +152,19 @@ def module_docstring_of(text: str, rng: random.Random) -> str | None:
     return snippet_of(doc, rng) if doc else None
 
 
+@dataclass(frozen=True, order=True)
+class Found:
+    """A file found under a searched root: `path` to read it, `origin` to record it."""
+    origin: str     # the root's own name, then the path below it: "man/man1/ls.1.gz"
+    path: Path
+
+
+def origin_of(root: Path, path: Path) -> str:
+    return (Path(root.name) / path.relative_to(root)).as_posix()
+
+
 def _files(roots: tuple[Path, ...], keep: Callable[[Path], bool], prune: tuple[str, ...] = (),
-           max_depth: int = 99) -> list[Path]:
+           max_depth: int = 99) -> list[Found]:
     """Files under `roots` that `keep` takes, not descending into folders named in `prune` or
     deeper than `max_depth` (site-packages holds torch's tens of thousands of files)."""
     found = []
@@ -160,7 +173,7 @@ def _files(roots: tuple[Path, ...], keep: Callable[[Path], bool], prune: tuple[s
         for folder, dirs, names in os.walk(root):
             here = Path(folder)
             dirs[:] = sorted(d for d in dirs if d not in prune and len(here.parts) - base < max_depth)
-            found += [here / n for n in names if keep(here / n)]
+            found += [Found(origin_of(root, here / n), here / n) for n in names if keep(here / n)]
     return sorted(set(found))
 
 
@@ -196,7 +209,7 @@ def _metadata_body(text: str) -> str:
 
 @dataclass(frozen=True)
 class SourceKind:
-    files: Callable[[Sources], list[Path]]
+    files: Callable[[Sources], list[Found]]
     snippet: Callable[[str, random.Random], str | None]
     templates: tuple[tuple[str, str], ...]   # (name, "...{text}...")
     prepare: Callable[[str], str] = lambda t: t
@@ -257,9 +270,9 @@ def prompt_id(*parts: str) -> str:
     return hashlib.sha1("\0".join(parts).encode()).hexdigest()[:16]
 
 
-def _draw(files: list[tuple[str, Path]], n: int, rng: random.Random, templates, phase: str,
+def _draw(files: list[tuple[str, Found]], n: int, rng: random.Random, templates, phase: str,
           accept: Callable[[list[dict]], bool], source: str) -> Iterator[PlannedPrompt]:
-    """Up to n prompts from `files` ((kind, path): the kind says how to read the file), a file
+    """Up to n prompts from `files` ((kind, file): the kind says how to read the file), a file
     visited again only once every file was, each snippet used once."""
     seen: set[str] = set()
     made = 0
@@ -267,7 +280,8 @@ def _draw(files: list[tuple[str, Path]], n: int, rng: random.Random, templates, 
     order = list(files)
     rng.shuffle(order)
     while made < n and order and tries < 20 * n + 100:
-        kind, path = order[tries % len(order)]
+        kind, found = order[tries % len(order)]
+        path = found.path
         tries += 1
         text = read_text(path)
         if text is None:
@@ -284,7 +298,8 @@ def _draw(files: list[tuple[str, Path]], n: int, rng: random.Random, templates, 
         if not accept(messages):
             continue
         made += 1
-        yield PlannedPrompt(prompt_id(source, str(path), name, snippet), phase, source, name, str(path), messages)
+        yield PlannedPrompt(prompt_id(source, found.origin, name, snippet), phase, source, name, found.origin,
+                            messages)
 
 
 @dataclass
@@ -313,7 +328,7 @@ def plan_prompts(sources: Sources, total: int, seed: int, accept: Callable[[list
         return why is None
 
     prompts: list[PlannedPrompt] = []
-    file_lists: dict[str, list[Path]] = {}
+    file_lists: dict[str, list[Found]] = {}
     for kind in KINDS:
         file_lists[kind] = KINDS[kind].files(sources)
         report.files[kind] = len(file_lists[kind])
