@@ -81,6 +81,28 @@ def test_drafts_have_max_len_tokens_and_their_distributions(tiny):
     assert prop._seqs[0].tokens == [5, 6, 7] + got[0].tokens[:-1]
 
 
+def test_a_mixed_batch_drafts_each_row_as_it_drafts_alone(tiny):
+    """Greedy and seeded rows are drafted together (one softmax and argmax per position), sampled
+    rows one by one from their own generator: batching them changes no row's draft."""
+    target, draft = tiny
+    from specserve.core.proposer import DraftRequest
+
+    def requests():
+        return [DraftRequest(0, [5, 6, 7], 4, SamplingParams(max_tokens=8)),
+                DraftRequest(1, [9, 8, 3, 3], 4, SamplingParams(max_tokens=8, temperature=0.9, seed=11), seed=11),
+                DraftRequest(2, [4, 2], 3, SamplingParams(max_tokens=8, temperature=0.7, top_k=20),
+                             torch.Generator().manual_seed(3)),
+                DraftRequest(3, [7, 7, 1], 4, SamplingParams(max_tokens=8))]
+
+    together = DraftModelProposer(draft, max_num_seqs=4, max_model_len=64, max_draft_len=4).propose(requests())
+    for r, got in zip(requests(), together):
+        alone = DraftModelProposer(draft, max_num_seqs=1, max_model_len=64, max_draft_len=4).propose([r])[0]
+        assert got.tokens == alone.tokens and len(got) == r.max_draft_len, r.seq_id
+        assert torch.allclose(got.probs, alone.probs, atol=1e-6), r.seq_id
+    assert int((together[2].probs > 0).sum(-1).max()) == 20   # the sampled row's q is warped (top-k)
+    assert torch.allclose(together[1].probs.sum(-1), torch.ones(4))
+
+
 def test_sampled_draft_follows_target_distribution(tmp_path):
     """Joint of generated tokens 2 and 3 (drafted and verified in one step) vs the exact target."""
     target = load_model(make_tiny_checkpoint(tmp_path / "t", "llama", vocab_size=8, seed=5))
