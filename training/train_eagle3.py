@@ -179,6 +179,10 @@ def train_step(drafter: Eagle3Drafter, target: Transformer, tokens: torch.Tensor
         feats = torch.cat([out.hidden] + [out.layer_hidden[i] for i in layers], dim=-1)  # [B, T, (1+L) D]
         tlogits = target.logits(out.hidden)                                              # [B, T, V]
         ids = drafter.target_ids()                                                       # [Vd]
+        # Once per window, not per unrolled step (each is a pass over the full [B, T, V]):
+        targmax = tlogits.argmax(-1)                                                     # [B, T]
+        tdraft = tlogits[..., ids]                                                       # [B, T, Vd]
+        del tlogits
         embeds = target.embed_tokens(tokens)                                             # [B, T, D]
     kv = _UnrollKV()
     zero = torch.zeros(B, dtype=torch.long)
@@ -189,15 +193,15 @@ def train_step(drafter: Eagle3Drafter, target: Transformer, tokens: torch.Tensor
         batch = ForwardBatch(tokens[:, 1 + k:1 + k + n], positions, zero, zero, unroll_mask(B, n, k))
         h = drafter(h, embeds[:, 1 + k:1 + k + n], batch, kv)           # [B, n, D], fed back next step
         logp = drafter.draft_logits(h).log_softmax(-1)                  # [B, n, Vd]
-        t = tlogits[:, 1 + k:1 + k + n]                                 # [B, n, V] target at i+k+1
+        best = targmax[:, 1 + k:1 + k + n]                              # [B, n] target argmax at i+k+1
         with torch.no_grad():
-            p = t[..., ids].softmax(-1)                                 # restricted to the draft vocab
-            keep = drafter.t2d[t.argmax(-1)].float()                    # [B, n]
+            p = tdraft[:, 1 + k:1 + k + n].softmax(-1)                  # [B, n, Vd] restricted to the draft vocab
+            keep = drafter.t2d[best].float()                            # [B, n]
             counted = torch.ones_like(keep) if loss_mask is None else loss_mask[:, 1 + k:1 + k + n]
             keep = keep * counted
         ce = (-(p * logp).sum(-1) * keep).sum() / keep.sum().clamp_min(1)
         total = total + TTT_DECAY ** k * ce
-        hit = (ids[logp.argmax(-1)] == t.argmax(-1)).float()
+        hit = (ids[logp.argmax(-1)] == best).float()
         top1.append(float((hit * counted).sum() / counted.sum().clamp_min(1)))
     opt.zero_grad(set_to_none=True)
     total.backward()
