@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import make_served_checkpoint, make_tiny_checkpoint
@@ -19,6 +20,7 @@ from specserve.methods.eagle.drafter import load_eagle
 from specserve.methods.eagle.eagle3 import Eagle3Drafter, draft_vocab
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
+import distill_corpus  # noqa: E402
 import train_eagle3  # noqa: E402
 from distill_shards import gzip_lines  # noqa: E402
 
@@ -117,6 +119,32 @@ def test_distill_shards_are_read_as_prompt_plus_response(tmp_path):
     (shards / "shard-00001.tmp").write_text("partial")   # a generator mid-write: left alone
     assert train_eagle3.distill_sequences(tmp_path / "d") == [[1, 2, 3], [4, 5, 6]]
     assert (shards / "shard-00001.tmp").exists()
+
+
+def test_a_run_keeps_the_items_it_started_on_while_the_folder_grows(tmp_path):
+    """The items are fixed at the first start (train split, recorded in the work dir); a folder
+    that grew since is refused with the --max-items that resumes on the same items."""
+    shards = tmp_path / "d" / "shards"
+    shards.mkdir(parents=True)
+
+    def item(i):
+        return json.dumps({"id": f"i{i}", "phase": "response", "source": "man", "messages": [
+            {"role": "user", "content": f"question {i}"}], "sampling": {"temperature": 0.0},
+            "prompt_ids": [i, i + 1], "response_ids": [i + 2]})
+
+    (shards / "shard-00000.jsonl.gz").write_bytes(gzip_lines([item(i) for i in range(40)]))
+    work = tmp_path / "w"
+    work.mkdir()
+    first = train_eagle3.run_items(tmp_path / "d", work, validation_share=0.25, max_items=None)
+    left_out = [f"i{i}" for i in range(40) if distill_corpus.is_validation(f"i{i}", 0.25)]
+    assert 0 < len(left_out) < 20 and [s.id for s in first] == [f"i{i}" for i in range(40) if f"i{i}" not in left_out]
+    (shards / "shard-00001.jsonl.gz").write_bytes(gzip_lines([item(i) for i in range(40, 50)]))   # the generator goes on
+    with pytest.raises(SystemExit, match=rf"holds a run on {len(first)} training items of its first 40 finished "
+                                         rf"ones \(validation share 0.25\); .* now gives \d+ of 50. Resume with "
+                                         rf"--max-items 40 --validation-share 0.25"):
+        train_eagle3.run_items(tmp_path / "d", work, validation_share=0.25, max_items=None)
+    again = train_eagle3.run_items(tmp_path / "d", work, validation_share=0.25, max_items=40)
+    assert again == first
 
 
 def test_distill_windows_end_at_an_item_and_mask_all_but_its_response():

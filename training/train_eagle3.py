@@ -9,7 +9,9 @@ calibration head and its report are train_eagle's (imported from it).
   data      corpus windows and the target's own continuations, as train_eagle (--text-file or the
             demo corpus), or the self-distillation shards of training/distill_data.py
             (--distill-dir: prompt + response of each item, read only; windows end at an item's
-            end and the loss is on its response only, --loss-on; see distill_windows);
+            end and the loss is on its response only, --loss-on; see distill_windows). The items
+            are fixed when a run starts (the folder's train split, --max-items, recorded in the
+            work dir), so a resumed run trains on the same ones while a generator adds more;
   vocab     the --draft-vocab most frequent tokens of that data → d2t (draft id → target id
             offsets) and t2d (mask over the target vocabulary), fixed before step 0, saved in the
             work dir (a resumed run reads it back) and in the drafter;
@@ -55,6 +57,7 @@ sys.path.insert(0, str(ROOT / "training"))
 import train_eagle as e1  # noqa: E402 — the data, calibration and report helpers
 from run_checkpoint import resume, save  # noqa: E402
 import distill_corpus  # noqa: E402
+from distill_cache import items_digest  # noqa: E402
 import heldout  # noqa: E402
 
 TTT_DECAY = 0.8   # weight of unrolled step k: 0.8^k (later steps are harder and matter less)
@@ -76,13 +79,43 @@ def distill_sequences(folder: Path) -> list[list[int]]:
     return [s.tokens for s in distill_items(folder)]
 
 
-def distill_prompts(folder: Path, n: int, seed: int) -> list[list[int]]:
-    """Up to n of the folder's prompts as the server sees them (chat-templated ids, ending with the
-    assistant turn's opening), a seeded sample: what the calibration head should be fit on when
-    the drafter serves chat. Training prompts only: distill_items refuses held-out ones."""
-    prompts = [s.tokens[:s.response_start] for s in distill_items(folder)]
+def distill_prompts(folder: Path | list[distill_corpus.DistillSequence], n: int, seed: int) -> list[list[int]]:
+    """Up to n of the folder's (or these items') prompts as the server sees them (chat-templated
+    ids, ending with the assistant turn's opening), a seeded sample: what the calibration head
+    should be fit on when the drafter serves chat. Training prompts only: distill_items refuses
+    held-out ones."""
+    items = distill_items(folder) if isinstance(folder, Path) else folder
+    prompts = [s.tokens[:s.response_start] for s in items]
     random.Random(seed).shuffle(prompts)
     return prompts[:max(0, n)]
+
+
+DATA_FILE = "distill_items.json"   # in the work dir: which items the run trains on
+
+
+def run_items(folder: Path, work: Path, *, validation_share: float, max_items: int | None
+              ) -> list[distill_corpus.DistillSequence]:
+    """The run's training items: the folder's first `max_items` finished items (all when None),
+    less its validation split, fixed when the run starts (written to the work dir). A resumed run
+    must find the same items, so a folder that grew since (its generator still running) is
+    refused with the --max-items that resumes on them, rather than read silently."""
+    finished = distill_items(folder)
+    finished = finished[:max_items] if max_items is not None else finished
+    items, _ = distill_corpus.split(finished, validation_share)
+    record = {"finished_items": len(finished), "validation_share": validation_share,
+              "train_items": len(items), "items_sha1": items_digest(items)}
+    data_file = work / DATA_FILE
+    if data_file.is_file():
+        saved = json.loads(data_file.read_text())
+        if saved["items_sha1"] != record["items_sha1"]:
+            raise SystemExit(
+                f"{work} holds a run on {saved['train_items']} training items of its first {saved['finished_items']} "
+                f"finished ones (validation share {saved['validation_share']}); {folder} now gives "
+                f"{record['train_items']} of {record['finished_items']}. Resume with --max-items "
+                f"{saved['finished_items']} --validation-share {saved['validation_share']}, or use another --work-dir")
+    else:
+        data_file.write_text(json.dumps(record, indent=1) + "\n")
+    return items
 
 
 def distill_windows(items: list[distill_corpus.DistillSequence], *, seq_len: int, batch: int, seed: int):
@@ -241,6 +274,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--text-file", type=Path, default=None, help="train on this text instead of the demo corpus")
     ap.add_argument("--distill-dir", type=Path, default=None,
                     help="train on a training/distill_data.py output folder instead (its finished shards)")
+    ap.add_argument("--max-items", type=int, default=None,
+                    help="--distill-dir: train on its first N finished items only (default: all when the run starts)")
+    ap.add_argument("--validation-share", type=float, default=0.05,
+                    help="--distill-dir: the items left out of training (its validation split, by id hash)")
     ap.add_argument("--heldout-file", type=Path, default=None, help="calibration report prompts (text)")
     ap.add_argument("--heldout-chat", type=Path, default=None,
                     help="calibration report prompts: a held-out chat set (jsonl of messages), rendered by "
@@ -290,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.time()
 
     if args.distill_dir is not None:
-        items = distill_items(args.distill_dir)
+        items = run_items(args.distill_dir, work, validation_share=args.validation_share, max_items=args.max_items)
         seqs = [s.tokens for s in items]
         stream = [t for s in seqs for t in s]   # the calibration windows and the vocabulary count
         extra = seqs
@@ -361,7 +398,7 @@ def main(argv: list[str] | None = None) -> None:
     # A distill folder's own prompts are the traffic it was made for (chat-templated), unless
     # --calib-prompts-file names other prompts.
     if args.distill_dir is not None and args.calib_prompts_file is None:
-        serving_like = distill_prompts(args.distill_dir, args.calib_serving_prompts, args.seed + 2)
+        serving_like = distill_prompts(items, args.calib_serving_prompts, args.seed + 2)
     else:
         serving_like = e1.serving_like_prompts(tokenizer, args.calib_prompts_file, args.text_file,
                                                args.calib_serving_prompts)
@@ -393,6 +430,7 @@ def main(argv: list[str] | None = None) -> None:
                "wall_time_s": round(time.time() - t_start, 1),
                "final_teacher_forced_top1_per_step": [round(sum(r["top1"][k] for r in tail) / max(1, len(tail)), 4)
                                                       for k in range(args.ttt_steps)],
+               "distill_items": (json.loads((work / DATA_FILE).read_text()) if args.distill_dir is not None else None),
                "calibration_prompts": {"corpus_windows": len(starts), "serving_like": len(serving_like)},
                "calibration": report, "command": " ".join(sys.argv)}
     (args.out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
