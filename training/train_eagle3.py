@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from specserve.core.forward import ForwardBatch
