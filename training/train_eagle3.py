@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT / "training"))
 import train_eagle as e1  # noqa: E402 — the data, calibration and report helpers
 from run_checkpoint import resume, save  # noqa: E402
 import distill_corpus  # noqa: E402
-from distill_cache import items_digest  # noqa: E402
+from distill_cache import distill_splits, items_digest  # noqa: E402
 import heldout  # noqa: E402
 
 TTT_DECAY = 0.8   # weight of unrolled step k: 0.8^k (later steps are harder and matter less)
@@ -98,10 +98,8 @@ def run_items(folder: Path, work: Path, *, validation_share: float, max_items: i
     less its validation split, fixed when the run starts (written to the work dir). A resumed run
     must find the same items, so a folder that grew since (its generator still running) is
     refused with the --max-items that resumes on them, rather than read silently."""
-    finished = distill_items(folder)
-    finished = finished[:max_items] if max_items is not None else finished
-    items, _ = distill_corpus.split(finished, validation_share)
-    record = {"finished_items": len(finished), "validation_share": validation_share,
+    items, held = distill_splits(folder, share=validation_share, max_items=max_items)
+    record = {"finished_items": len(items) + len(held), "validation_share": validation_share,
               "train_items": len(items), "items_sha1": items_digest(items)}
     data_file = work / DATA_FILE
     if data_file.is_file():
