@@ -14,6 +14,9 @@ from specserve.serving.settings import DeploymentSettings
 DEMO = "models/demo"
 DRAFTERS = tuple((m, f"{DEMO}/{m}") for m in ("eagle", "dflash", "draft", "mtp"))
 LEN = 256   # max_model_len; slots hold LEN + max_draft_len (8) + 1 positions
+# Pinned: the default (auto) drafts in bf16 where the CPU has bf16 matmuls (AMX / AVX512-BF16),
+# which halves the drafter tensors; the figures below are fp32's on any machine.
+F32 = "float32"
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +26,8 @@ def target():
 
 @pytest.fixture(scope="module")
 def states(target):
-    settings = DeploymentSettings(f"{DEMO}/target", max_model_len=LEN, drafters=DRAFTERS, max_num_seqs=3)
+    settings = DeploymentSettings(f"{DEMO}/target", max_model_len=LEN, drafters=DRAFTERS, max_num_seqs=3,
+                                  drafter_dtype=F32)
     return draft_memory(target, settings, ["none", "ngram", "eagle", "dflash", "draft", "dspark", "mtp"])
 
 
@@ -51,7 +55,7 @@ def test_dflash_is_its_bounded_memory_budget(states, target):
 
 def test_a_slot_does_not_depend_on_how_many_the_engine_has(target, states):
     one = draft_memory(target, DeploymentSettings(f"{DEMO}/target", max_model_len=LEN, drafters=DRAFTERS,
-                                                  max_num_seqs=1), ["eagle", "dspark"])
+                                                  max_num_seqs=1, drafter_dtype=F32), ["eagle", "dspark"])
     assert one["eagle"] == states["eagle"] and one["dspark"] == states["dspark"]
 
 
@@ -60,3 +64,18 @@ def test_a_remote_proposer_says_its_state_is_elsewhere():
 
     with pytest.raises(NotImplementedError, match="kept by its Triton model"):
         RemoteProposer("eagle", lambda x: x).sequence_state(LEN)
+
+
+def test_bf16_drafters_count_two_bytes_an_element(target):
+    """--drafter-dtype bfloat16 (auto's choice on bf16 hardware): the KV slots and DFlash's vectors
+    are bf16, its pool's running sums stay fp32 (budget_bytes)."""
+    import torch
+
+    from specserve.methods.dflash.drafter import load_dflash
+
+    got = draft_memory(target, DeploymentSettings(f"{DEMO}/target", max_model_len=LEN, drafters=DRAFTERS,
+                                                  max_num_seqs=1, drafter_dtype="bfloat16"), ["eagle", "dflash"])
+    assert got["eagle"].bytes == 2 * 1 * 2 * (LEN + 9) * 64 * 2
+    c = load_dflash(f"{DEMO}/dflash", target).cfg
+    assert got["dflash"].bytes == budget_bytes(LEN, c.window, c.pool_slots, c.pool_rank, c.hidden_size, torch.bfloat16)
+    assert got["dflash"].bytes == (32 + LEN // 32) * 384 * 2 + (64 * 66 + 384) * 4
