@@ -421,6 +421,20 @@ def best_method(cells: dict[tuple[str, float, int], Cell], systems: dict[str, Sy
 
 
 def run(args, log=lambda *a: print(*a, file=sys.stderr, flush=True)) -> dict:
+    """The comparison on --cores of this process's cores. The caller's affinity and torch threads
+    are restored after: run in a long-lived process (a test worker), a pinned affinity would
+    otherwise stay, and every server that process starts later would share those cores."""
+    import torch
+
+    affinity, torch_threads = os.sched_getaffinity(0), torch.get_num_threads()
+    try:
+        return _run(args, log)
+    finally:
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(torch_threads)
+
+
+def _run(args, log) -> dict:
     import torch
 
     from specserve.cli.bench.draft_memory import draft_memory

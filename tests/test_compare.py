@@ -7,6 +7,7 @@ deliberately corrupted greedy text. No timing is asserted."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,21 @@ def report(compare, tmp_path_factory):
     args = compare.parse(["--target", str(DEMO / "target"), "--chat", "0", "--humaneval", "2", "--new-tokens", "6",
                           "--concurrency", "1,2", "--temperatures", "0,0.7", "--configs", "fp32", "--methods", "eagle",
                           "--drafter", f"eagle={DEMO / 'eagle'}", "--cores", "1", "--out", str(out)])
-    return compare.run(args, log=lambda *a: None), out
+    before = os.sched_getaffinity(0)
+    report = compare.run(args, log=lambda *a: None)
+    AFTER.update(before=before, after=os.sched_getaffinity(0))
+    return report, out
+
+
+AFTER: dict = {}
+
+
+def test_the_run_gives_the_caller_its_cores_back(report):
+    """--cores 1 pins the run (and the servers it starts) to one core; the test worker that ran it
+    must get all its cores back, or every server it starts later shares that one core."""
+    r, _ = report
+    assert r["machine"]["cores_used"] == sorted(AFTER["before"])[:1]
+    assert AFTER["after"] == AFTER["before"]
 
 
 def test_rows_of_none_eagle_and_the_peers(report):
