@@ -14,6 +14,7 @@ from conftest import make_served_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 import distill_data  # noqa: E402
+import distill_prompts  # noqa: E402
 import distill_shards  # noqa: E402
 import heldout  # noqa: E402
 from distill_prompts import Sources, code_snippet_of, troff_to_text  # noqa: E402
@@ -238,3 +239,22 @@ def test_self_instruct_keeps_questions_and_drops_replies():
     for seed in range(4):
         turn = self_instruct_prompt("Question: How do I frob only some files?\nmore", asked, random.Random(seed))
         assert turn[0]["content"] in ("How do I frob only some files?", "frob reads files.\n\nHow do I frob only some files?")
+
+
+def test_a_plan_can_leave_out_the_files_an_earlier_plan_drew_from(reference, target, sources, tmp_path):
+    """--avoid-plan-of: a second folder of data shares no file (so no snippet) with the first."""
+    accept = lambda messages: None   # noqa: E731
+    full, _ = distill_prompts.plan_prompts(sources, 14, 0, accept)
+    assert "man/man1/frob.1" in {p.origin for p in full}
+    part, report = distill_prompts.plan_prompts(sources, 14, 0, accept, avoid_origins=frozenset({"man/man1/frob.1"}))
+    assert {p.origin for p in part} == {p.origin for p in full} - {"man/man1/frob.1"}
+    assert report.avoided == {"man": 1, "man_i18n": 0, "doc": 0, "stdlib_code": 0, "stdlib_doc": 0, "package_doc": 0}
+    assert report.files == distill_prompts.plan_prompts(sources, 14, 0, accept)[1].files   # found, before leaving out
+
+    # Through the tool: the reference folder's plan drew from every fixture file, so nothing is left,
+    # and the avoided plan is part of the settings (a resume without it is refused).
+    cfg = config(target, tmp_path, avoid_plans=(reference[0],))
+    summary = distill_data.run(cfg, sources)
+    assert records(tmp_path) == [] and summary["plan"]["planned"] == {k: 0 for k in summary["plan"]["planned"]}
+    with pytest.raises(distill_data.SettingsChanged, match="avoid_plans_sha1"):
+        distill_data.run(config(target, tmp_path), sources)

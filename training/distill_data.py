@@ -60,6 +60,7 @@ class DistillConfig:
     dtype: str = "float32"
     shard_size: int = 32
     heldout_chat: Path = heldout.CHAT_SET
+    avoid_plans: tuple[Path, ...] = ()   # earlier folders whose plans' files this plan leaves out
 
     def settings(self) -> dict:
         """What must not change between a run and its resumption. Files count by content, not by
@@ -67,7 +68,11 @@ class DistillConfig:
         `max_num_seqs` is left out: it sets how many rows decode together, which changes speed but
         not a record (each response equals the engine's output for its prompt alone), so a
         resumed run may batch wider (48 rows decode 2.3x the tokens/s of 16 here)."""
-        d = {k: v for k, v in asdict(self).items() if k not in ("out", "target", "heldout_chat", "max_num_seqs")}
+        d = {k: v for k, v in asdict(self).items()
+             if k not in ("out", "target", "heldout_chat", "max_num_seqs", "avoid_plans")}
+        if self.avoid_plans:   # by content: the plans, wherever their folders are
+            d["avoid_plans_sha1"] = [hashlib.sha1((Path(f) / PLAN_FILE).read_bytes()).hexdigest()
+                                     for f in self.avoid_plans]
         d["heldout_chat_sha1"] = hashlib.sha1(Path(self.heldout_chat).read_bytes()).hexdigest()
         d["target_config_sha1"] = hashlib.sha1((self.target / "config.json").read_bytes()).hexdigest()
         d["target_weights_sha1"] = _weights_id(self.target)
@@ -144,7 +149,8 @@ def load_or_plan(cfg: DistillConfig, sources: distill_prompts.Sources, guard: he
         saved = json.loads(run_file.read_text())
         saved["settings"].pop("max_num_seqs", None)   # recorded by runs made before it was left out
         if saved["settings"] != settings:
-            changed = sorted(k for k in settings if saved["settings"].get(k) != settings[k])
+            changed = sorted(k for k in settings.keys() | saved["settings"].keys()
+                             if saved["settings"].get(k) != settings.get(k))
             raise SettingsChanged(f"{cfg.out} holds a run with other settings ({', '.join(changed)}); "
                                   f"use another --out or the same settings")
         if plan_file.exists():
@@ -157,7 +163,8 @@ def load_or_plan(cfg: DistillConfig, sources: distill_prompts.Sources, guard: he
             return "heldout"
         return "length" if len(renderer.ids(messages)) > limit else None
 
-    planned, report = distill_prompts.plan_prompts(sources, cfg.prompts, cfg.seed, accept)
+    avoid = frozenset(row["origin"] for f in cfg.avoid_plans for row in map(json.loads, read_gzip_lines(Path(f) / PLAN_FILE)))
+    planned, report = distill_prompts.plan_prompts(sources, cfg.prompts, cfg.seed, accept, avoid_origins=avoid)
     items = [Item(p.id, p.phase, p.source, p.template, p.origin, p.messages,
                   sampling_for(p.id, cfg, cfg.question_tokens if p.phase == "question" else cfg.max_tokens))
              for p in planned]
@@ -304,7 +311,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sampled-share", type=float, default=d.sampled_share)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=d.dtype)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--avoid-plan-of", type=Path, action="append", default=[], metavar="DIR",
+                   help="an earlier output folder: leave out every file its plan drew from (repeatable)")
     args = p.parse_args(argv)
+    for f in args.avoid_plan_of:
+        if not (f / PLAN_FILE).is_file():
+            p.error(f"--avoid-plan-of {f}: no {PLAN_FILE} there")
     if args.threads:
         import torch
 
@@ -312,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = DistillConfig(args.target, args.out, prompts=args.prompts, seed=args.seed, max_tokens=args.max_tokens,
                         question_tokens=args.question_tokens, temperature=args.temperature,
                         sampled_share=args.sampled_share, max_num_seqs=args.max_num_seqs,
-                        max_model_len=args.max_model_len, dtype=args.dtype, shard_size=args.shard_size)
+                        max_model_len=args.max_model_len, dtype=args.dtype, shard_size=args.shard_size,
+                        avoid_plans=tuple(args.avoid_plan_of))
     summary = run(cfg, distill_prompts.Sources.of_this_machine())
     print(json.dumps(summary, indent=1))
     return 0

@@ -309,12 +309,17 @@ class PlanReport:
     planned: dict[str, int] = field(default_factory=dict)
     refused_heldout: int = 0
     refused_length: int = 0
+    avoided: dict[str, int] = field(default_factory=dict)   # files left out: an earlier plan drew from them
 
 
 def plan_prompts(sources: Sources, total: int, seed: int, accept: Callable[[list[dict]], str | None],
-                 shares: dict[str, float] | None = None) -> tuple[list[PlannedPrompt], PlanReport]:
+                 shares: dict[str, float] | None = None,
+                 avoid_origins: frozenset[str] = frozenset()) -> tuple[list[PlannedPrompt], PlanReport]:
     """`total` prompts (fewer where a source runs dry), shuffled so any prefix mixes sources.
-    `accept(messages)` → None to keep, or "heldout" / "length" to say why it is dropped."""
+    `accept(messages)` → None to keep, or "heldout" / "length" to say why it is dropped.
+    `avoid_origins`: files an earlier plan drew from (their origins), left out whole, so a second
+    folder of data shares no snippet with the first (nor its validation split one with the
+    first's training items)."""
     shares = shares or DEFAULT_SHARES
     report = PlanReport()
     rng = random.Random(seed)
@@ -330,8 +335,11 @@ def plan_prompts(sources: Sources, total: int, seed: int, accept: Callable[[list
     prompts: list[PlannedPrompt] = []
     file_lists: dict[str, list[Found]] = {}
     for kind in KINDS:
-        file_lists[kind] = KINDS[kind].files(sources)
-        report.files[kind] = len(file_lists[kind])
+        found = KINDS[kind].files(sources)
+        file_lists[kind] = [f for f in found if f.origin not in avoid_origins]
+        report.files[kind] = len(found)
+        if avoid_origins:
+            report.avoided[kind] = len(found) - len(file_lists[kind])
     for source, share in shares.items():
         n = round(total * share)
         if source == "self":
