@@ -3,7 +3,8 @@
     python training/plot_train_log.py models/demo/mtp/train_log.jsonl models/demo/mtp/training_curve.png
     python training/plot_train_log.py models/demo/draft/train_log.jsonl models/demo/draft/training_curve.png
 
-Handles both logs: train_mtp.py (loss, top1_per_head) and train_draft.py (loss, top1). Curves are
+Handles the three logs: train_mtp.py (loss, top1_per_head), train_draft.py (loss, top1) and
+train_eagle3.py (ce, top1 per unrolled step: the training-time-test steps). Curves are
 smoothed with a 25-step moving average (single steps see a few hundred positions).
 """
 
@@ -32,10 +33,16 @@ def main(argv: list[str] | None = None) -> None:
     rows = [json.loads(x) for x in log.read_text().splitlines()]
     steps = [r["step"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-    a.plot(steps, smooth([r["loss"] for r in rows]))
+    eagle3 = "ce" in rows[0]
+    a.plot(steps, smooth([r["ce" if eagle3 else "loss"] for r in rows]))
     summed = " (sum over heads)" if "top1_per_head" in rows[0] else ""
-    a.set(xlabel="step", ylabel="soft CE vs the target's top-K" + summed, title=log.parent.name)
-    if "top1_per_head" in rows[0]:
+    a.set(xlabel="step", ylabel=("soft CE, 0.8^k-weighted sum over unrolled steps" if eagle3 else
+                                 "soft CE vs the target's top-K" + summed), title=log.parent.name)
+    if eagle3:
+        for k in range(len(rows[0]["top1"])):
+            b.plot(steps, smooth([r["top1"][k] for r in rows]), label=f"unrolled step {k} (token t+{k + 2})")
+        b.legend()
+    elif "top1_per_head" in rows[0]:
         for j in range(len(rows[0]["top1_per_head"])):
             b.plot(steps, smooth([r["top1_per_head"][j] for r in rows]), label=f"head {j} (token t+{j + 2})")
         b.legend()
