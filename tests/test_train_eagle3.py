@@ -170,6 +170,15 @@ def test_distill_windows_end_at_an_item_and_mask_all_but_its_response():
     assert all(torch.equal(next(again)[0], torch.tensor(seen[3 * i:3 * i + 3])) for i in range(60))
 
 
+def seeded_drafter(cfg, target) -> Eagle3Drafter:
+    """The drafter the step tests train: seed 0, a 64-token vocabulary, started from the target."""
+    torch.manual_seed(0)
+    d = Eagle3Drafter(cfg, (0, 1, 3), 64)
+    d.set_vocab(*draft_vocab(torch.arange(cfg.vocab_size), 64))
+    train_eagle3.init_from_target(d, target)
+    return d
+
+
 def test_the_loss_mask_leaves_positions_out_of_the_step(tmp_path):
     """A mask of ones is the unmasked step; a mask of zeros learns nothing (zero loss, no update)."""
     target = load_model(make_tiny_checkpoint(tmp_path / "t", "llama", seed=3, num_hidden_layers=4))
@@ -177,10 +186,7 @@ def test_the_loss_mask_leaves_positions_out_of_the_step(tmp_path):
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
 
     def step(mask):
-        torch.manual_seed(0)
-        d = Eagle3Drafter(cfg, (0, 1, 3), 64)
-        d.set_vocab(*draft_vocab(torch.arange(cfg.vocab_size), 64))
-        train_eagle3.init_from_target(d, target)
+        d = seeded_drafter(cfg, target)
         before = [p.detach().clone() for p in d.parameters()]
         opt = torch.optim.SGD(d.parameters(), lr=0.1)
         losses = train_eagle3.train_step(d, target, tokens, opt, ttt_steps=3, loss_mask=mask)
@@ -205,10 +211,7 @@ def test_a_bf16_step_follows_the_fp32_step_and_keeps_fp32_weights(tmp_path):
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
 
     def step(bf16):
-        torch.manual_seed(0)
-        d = Eagle3Drafter(cfg, (0, 1, 3), 64)
-        d.set_vocab(*draft_vocab(torch.arange(cfg.vocab_size), 64))
-        train_eagle3.init_from_target(d, target)
+        d = seeded_drafter(cfg, target)
         before = {n: p.detach().clone() for n, p in d.named_parameters()}
         opt = torch.optim.SGD(d.parameters(), lr=0.1)
         losses = train_eagle3.train_step(d, target, tokens, opt, ttt_steps=3, bf16=bf16)
