@@ -258,3 +258,23 @@ def test_a_plan_can_leave_out_the_files_an_earlier_plan_drew_from(reference, tar
     assert records(tmp_path) == [] and summary["plan"]["planned"] == {k: 0 for k in summary["plan"]["planned"]}
     with pytest.raises(distill_data.SettingsChanged, match="avoid_plans_sha1"):
         distill_data.run(config(target, tmp_path), sources)
+
+
+def test_shares_reweight_the_sources_and_bad_ones_are_refused(target, sources, tmp_path):
+    """--share SOURCE=WEIGHT: one source's weight changes, the rest keep theirs, all scaled to 1."""
+    cfg = config(target, tmp_path, shares=(("self", 0.82), ("man", 0.0)))
+    shares = cfg.plan_shares()
+    # Defaults without man (0.20) and self (0.18) sum to 0.62; with self at 0.82 the total is 1.44.
+    assert shares["man"] == 0 and shares["self"] == pytest.approx(0.82 / 1.44)
+    assert shares["stdlib_code"] == pytest.approx(0.22 / 1.44) and sum(shares.values()) == pytest.approx(1)
+    assert cfg.settings()["shares"] == shares
+    assert "shares" not in config(target, tmp_path).settings()   # folders planned before the option
+    accept = lambda messages: None   # noqa: E731
+    planned, report = distill_prompts.plan_prompts(sources, 14, 0, accept, shares=shares)
+    assert report.planned["man"] == 0 and not any(p.source == "man" for p in planned)
+    with pytest.raises(ValueError, match="unknown prompt source 'chat'; sources: man, man_i18n"):
+        config(target, tmp_path, shares=(("chat", 1.0),)).plan_shares()
+    with pytest.raises(ValueError, match="share of 'self' is negative"):
+        config(target, tmp_path, shares=(("self", -1.0),)).plan_shares()
+    with pytest.raises(SystemExit):
+        distill_data.main(["--target", str(target), "--out", str(tmp_path), "--share", "self"])

@@ -61,6 +61,22 @@ class DistillConfig:
     shard_size: int = 32
     heldout_chat: Path = heldout.CHAT_SET
     avoid_plans: tuple[Path, ...] = ()   # earlier folders whose plans' files this plan leaves out
+    shares: tuple[tuple[str, float], ...] = ()   # (source, weight) overriding DEFAULT_SHARES'
+
+    def plan_shares(self) -> dict[str, float]:
+        """DEFAULT_SHARES with `shares` put in, scaled to sum to 1 (weights, not fractions, so
+        raising one source's share lowers the others in proportion)."""
+        merged = dict(distill_prompts.DEFAULT_SHARES)
+        for source, weight in self.shares:
+            if source not in merged:
+                raise ValueError(f"unknown prompt source {source!r}; sources: {', '.join(merged)}")
+            if weight < 0:
+                raise ValueError(f"share of {source!r} is negative ({weight})")
+            merged[source] = weight
+        total = sum(merged.values())
+        if total <= 0:
+            raise ValueError("every share is 0: nothing to plan")
+        return {k: v / total for k, v in merged.items()}
 
     def settings(self) -> dict:
         """What must not change between a run and its resumption. Files count by content, not by
@@ -69,7 +85,9 @@ class DistillConfig:
         not a record (each response equals the engine's output for its prompt alone), so a
         resumed run may batch wider (48 rows decode 2.3x the tokens/s of 16 here)."""
         d = {k: v for k, v in asdict(self).items()
-             if k not in ("out", "target", "heldout_chat", "max_num_seqs", "avoid_plans")}
+             if k not in ("out", "target", "heldout_chat", "max_num_seqs", "avoid_plans", "shares")}
+        if self.shares:   # only when set, so folders planned before the option keep their settings
+            d["shares"] = self.plan_shares()
         if self.avoid_plans:   # by content: the plans, wherever their folders are
             d["avoid_plans_sha1"] = [hashlib.sha1((Path(f) / PLAN_FILE).read_bytes()).hexdigest()
                                      for f in self.avoid_plans]
@@ -164,7 +182,8 @@ def load_or_plan(cfg: DistillConfig, sources: distill_prompts.Sources, guard: he
         return "length" if len(renderer.ids(messages)) > limit else None
 
     avoid = frozenset(row["origin"] for f in cfg.avoid_plans for row in map(json.loads, read_gzip_lines(Path(f) / PLAN_FILE)))
-    planned, report = distill_prompts.plan_prompts(sources, cfg.prompts, cfg.seed, accept, avoid_origins=avoid)
+    planned, report = distill_prompts.plan_prompts(sources, cfg.prompts, cfg.seed, accept,
+                                                    shares=cfg.plan_shares(), avoid_origins=avoid)
     items = [Item(p.id, p.phase, p.source, p.template, p.origin, p.messages,
                   sampling_for(p.id, cfg, cfg.question_tokens if p.phase == "question" else cfg.max_tokens))
              for p in planned]
@@ -313,7 +332,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--avoid-plan-of", type=Path, action="append", default=[], metavar="DIR",
                    help="an earlier output folder: leave out every file its plan drew from (repeatable)")
+    p.add_argument("--share", action="append", default=[], metavar="SOURCE=WEIGHT",
+                   help="weight of one prompt source (repeatable); the others keep their default "
+                        f"weights and all are scaled to sum to 1. Defaults: {distill_prompts.DEFAULT_SHARES}")
     args = p.parse_args(argv)
+    shares = []
+    for spec in args.share:
+        source, sep, weight = spec.partition("=")
+        try:
+            shares.append((source, float(weight)))
+        except ValueError:
+            sep = ""
+        if not sep:
+            p.error(f"--share {spec}: expected SOURCE=WEIGHT, for example self=0.4")
     for f in args.avoid_plan_of:
         if not (f / PLAN_FILE).is_file():
             p.error(f"--avoid-plan-of {f}: no {PLAN_FILE} there")
@@ -325,7 +356,11 @@ def main(argv: list[str] | None = None) -> int:
                         question_tokens=args.question_tokens, temperature=args.temperature,
                         sampled_share=args.sampled_share, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len, dtype=args.dtype, shard_size=args.shard_size,
-                        avoid_plans=tuple(args.avoid_plan_of))
+                        avoid_plans=tuple(args.avoid_plan_of), shares=tuple(shares))
+    try:
+        cfg.plan_shares()
+    except ValueError as e:
+        p.error(f"--share: {e}")
     summary = run(cfg, distill_prompts.Sources.of_this_machine())
     print(json.dumps(summary, indent=1))
     return 0
