@@ -68,10 +68,10 @@ def test_the_folder_gives_exactly_the_expected_windows_and_the_targets_outputs(t
     torch.testing.assert_close(train.top_logits, top.values.half())
 
     m = train.meta
-    assert {k: m[k] for k in ("split", "distill_dir", "validation_share", "max_items", "items", "sampled_items",
+    assert {k: m[k] for k in ("split", "distill_dirs", "validation_share", "max_items", "items", "sampled_items",
                               "item_tokens", "response_tokens", "distill_windows", "corpus_windows",
                               "greedy_continuations", "length", "top_k", "tokens")} == {
-        "split": "train", "distill_dir": folder.as_posix(), "validation_share": 0.5, "max_items": None,
+        "split": "train", "distill_dirs": [folder.as_posix()], "validation_share": 0.5, "max_items": None,
         "items": 2, "sampled_items": 1, "item_tokens": 12, "response_tokens": 6, "distill_windows": 3,
         "corpus_windows": 0, "greedy_continuations": 0, "length": 4, "top_k": 3, "tokens": 12}
     assert (val.meta["split"], val.meta["items"], val.meta["distill_windows"]) == ("validation", 2, 2)
@@ -94,3 +94,21 @@ def test_a_held_out_prompt_in_the_folder_stops_the_build(target_dir, tmp_path):
     with pytest.raises(HeldoutLeak, match=r"^training prompt contains held-out chat prompt 1: "):
         build(target_dir, folder, tmp_path / "w")
     assert not (tmp_path / "w").exists()
+
+
+def test_several_folders_are_read_end_to_end_in_order_and_a_repeated_item_is_refused(target_dir, tmp_path):
+    """--distill-dir given twice: the first folder's items, then the second's, split by id as one."""
+    first = write_folder(tmp_path / "d1", ITEMS)
+    second = write_folder(tmp_path / "d2", {"j0": ([30, 31], [32, 33]), "j1": ([34], [35, 36, 37]),
+                                            "j2": ([38, 39, 40], [41])})   # j1 in the validation split
+    distill_cache.main(["--target", str(target_dir), "--work-dir", str(tmp_path / "w"), "--distill-dir", str(first),
+                        "--distill-dir", str(second), "--validation-share", "0.5", "--length", "4", "--top-k", "3"])
+    train = torch.load(tmp_path / "w" / "train.pt", weights_only=False)["cache"]
+    # train: i0, i3 (the first folder), then j0, j2 (the second), end to end, cut every 4 tokens
+    assert train["tokens"].tolist() == [[5, 6, 7, 8], [9, 20, 21, 22], [23, 24, 25, 26], [30, 31, 32, 33],
+                                        [38, 39, 40, 41]]
+    assert train["meta"]["distill_dirs"] == [first.as_posix(), second.as_posix()]
+    val = torch.load(tmp_path / "w" / "heldout.pt", weights_only=False)["cache"]
+    assert val["tokens"].tolist() == [[10, 11, 12, 13], [14, 15, 16, 17], [18, 19, 34, 35]]
+    with pytest.raises(SystemExit, match=rf"^item i0 is in both {first} and {first}: give a folder once"):
+        distill_cache.distill_splits([first, first], share=0.5)

@@ -51,7 +51,7 @@ def test_the_cache_is_the_folders_train_windows_and_a_split_run_resumes_exactly(
     assert split["step"] == whole["step"] == 4 and split["log"] == whole["log"]
     assert all(torch.equal(split["drafter"][k], v) for k, v in whole["drafter"].items())
     summary = json.loads((tmp_path / "whole" / "training.json").read_text())
-    assert summary["distill"]["distill_dir"] == folder.as_posix()
+    assert summary["distill"]["distill_dirs"] == [folder.as_posix()]
     assert summary["heldout_acceptance_length"]["all"] is None   # no held-out set given: none is made up
 
 

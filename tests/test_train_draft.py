@@ -102,6 +102,6 @@ def test_a_short_run_on_a_distill_cache_resumes_exactly(target_dir, tmp_path):
     assert torch.equal(whole["model"]["embed_tokens.weight"], target.embed_tokens.weight)   # frozen
     summary = json.loads((tmp_path / "whole" / "training.json").read_text())
     assert summary["init"] == {"from_target_layers": [0, 3], "frozen_embedding": True}
-    assert summary["train_cache"]["distill_dir"] == folder.as_posix()
+    assert summary["train_cache"]["distill_dirs"] == [folder.as_posix()]
     assert set(summary["heldout_teacher_forced_top1"]) == {"all", "distill_windows", "positions"}
     assert summary["acceptance_in_process"]["outputs_equal_none"] is True

@@ -135,15 +135,15 @@ def test_a_run_keeps_the_items_it_started_on_while_the_folder_grows(tmp_path):
     (shards / "shard-00000.jsonl.gz").write_bytes(gzip_lines([item(i) for i in range(40)]))
     work = tmp_path / "w"
     work.mkdir()
-    first = train_eagle3.run_items(tmp_path / "d", work, validation_share=0.25, max_items=None)
+    first = train_eagle3.run_items([tmp_path / "d"], work, validation_share=0.25, max_items=None)
     left_out = [f"i{i}" for i in range(40) if distill_corpus.is_validation(f"i{i}", 0.25)]
     assert 0 < len(left_out) < 20 and [s.id for s in first] == [f"i{i}" for i in range(40) if f"i{i}" not in left_out]
     (shards / "shard-00001.jsonl.gz").write_bytes(gzip_lines([item(i) for i in range(40, 50)]))   # the generator goes on
     with pytest.raises(SystemExit, match=rf"holds a run on {len(first)} training items of its first 40 finished "
-                                         rf"ones \(validation share 0.25\); .* now gives \d+ of 50. Resume with "
+                                         rf"ones \(validation share 0.25\); .* now give \d+ of 50. Resume with "
                                          rf"--max-items 40 --validation-share 0.25"):
-        train_eagle3.run_items(tmp_path / "d", work, validation_share=0.25, max_items=None)
-    again = train_eagle3.run_items(tmp_path / "d", work, validation_share=0.25, max_items=40)
+        train_eagle3.run_items([tmp_path / "d"], work, validation_share=0.25, max_items=None)
+    again = train_eagle3.run_items([tmp_path / "d"], work, validation_share=0.25, max_items=40)
     assert again == first
 
 

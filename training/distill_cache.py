@@ -18,7 +18,7 @@ continuations of models/demo/heldout_prompts.jsonl) is only evaluated on, never 
 Deterministic (seeded window choice; greedy continuations).
 
 --distill-dir DIR reads a training/distill_data.py output folder instead (read only; its finished
-shards, the held-out guard re-run on load by training/distill_corpus.py): each item's prompt +
+shards; repeatable, the folders' items end to end in order, the held-out guard re-run on load by training/distill_corpus.py): each item's prompt +
 response ids, end to end in shard order, cut into consecutive windows of --length tokens. No
 continuations are generated: the responses are already the target's own. `train.pt` holds the
 folder's train split and `heldout.pt` its own validation split (distill_corpus.split, by item id
@@ -36,7 +36,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from tqdm import tqdm
@@ -170,16 +170,44 @@ def load_or_build(path: Path, target: Transformer, tokenizer, split: str, **kw) 
 
 # -- a self-distillation folder ------------------------------------------------------------------
 
-def distill_splits(folder: Path, *, share: float, max_items: int | None = None
+def distill_splits(folders: Sequence[Path], *, share: float, max_items: int | None = None
                    ) -> tuple[list[distill_corpus.DistillSequence], list[distill_corpus.DistillSequence]]:
-    """(train, validation) items of a distill_data.py folder: its first `max_items` finished items
-    (all when None; the plan is shuffled, so a prefix is a mixed sample), guarded against the
-    held-out sets again, split by item id hash."""
-    seqs = distill_corpus.load(folder, heldout.HeldoutGuard(heldout.load_all()))
+    """(train, validation) items of one or more distill_data.py folders: their finished items end
+    to end in the order given, the first `max_items` of them (all when None; each plan is shuffled,
+    so a prefix is a mixed sample), guarded against the held-out sets again, split by item id hash.
+    An item id found in two folders is refused: the same folder given twice, or two plans drawn
+    from the same files (the second should be planned with distill_data --avoid-plan-of)."""
+    guard = heldout.HeldoutGuard(heldout.load_all())
+    seqs: list[distill_corpus.DistillSequence] = []
+    found_in: dict[str, Path] = {}
+    for folder in folders:
+        got = distill_corpus.load(folder, guard)
+        if not got:
+            raise SystemExit(f"{folder}: no finished items")
+        for s in got:
+            if s.id in found_in:
+                raise SystemExit(f"item {s.id} is in both {found_in[s.id]} and {folder}: give a folder once, "
+                                 f"and plan a second folder with distill_data.py --avoid-plan-of the first")
+            found_in[s.id] = folder
+        seqs += got
     seqs = seqs[:max_items] if max_items is not None else seqs
-    if not seqs:
-        raise SystemExit(f"{folder}: no finished items")
     return distill_corpus.split(seqs, share)
+
+
+def folders_meta(folders: Sequence[Path]) -> list[str]:
+    """The folders as a cache's meta records them (and compares them on reuse)."""
+    return [Path(f).as_posix() for f in folders]
+
+
+def add_distill_args(ap: argparse.ArgumentParser) -> None:
+    """--distill-dir (repeatable), --validation-share, --max-items: the same in every trainer."""
+    ap.add_argument("--distill-dir", type=Path, action="append", default=[], metavar="DIR",
+                    help="train on a training/distill_data.py output folder (read only; its finished shards) "
+                         "instead of the demo corpus; repeatable: the folders' items end to end, in order")
+    ap.add_argument("--validation-share", type=float, default=0.05,
+                    help="--distill-dir: the items left out of training (the validation split, by id hash)")
+    ap.add_argument("--max-items", type=int, default=None,
+                    help="--distill-dir: only the first N finished items of the folders, in order (default: all)")
 
 
 def packed_windows(seqs: list[distill_corpus.DistillSequence], length: int) -> list[list[int]]:
@@ -214,11 +242,11 @@ def build_distill(target: Transformer, seqs: list[distill_corpus.DistillSequence
     return DistillCache(tokens, hidden, ids, vals, meta)
 
 
-def load_or_build_distill(work_dir: Path, target: Transformer, folder: Path, *, share: float,
+def load_or_build_distill(work_dir: Path, target: Transformer, folders: Sequence[Path], *, share: float,
                           max_items: int | None, length: int, top_k: int, batch: int = 8) -> None:
-    """train.pt (the folder's train split) and heldout.pt (its validation split) in `work_dir`."""
-    train, val = distill_splits(folder, share=share, max_items=max_items)
-    source = {"distill_dir": Path(folder).as_posix(), "validation_share": share, "max_items": max_items,
+    """train.pt (the folders' train split) and heldout.pt (their validation split) in `work_dir`."""
+    train, val = distill_splits(folders, share=share, max_items=max_items)
+    source = {"distill_dirs": folders_meta(folders), "validation_share": share, "max_items": max_items,
               "split_by": "distill_corpus.split (item id hash)"}
     for file, split, seqs in (("train.pt", "train", train), ("heldout.pt", "validation", val)):
         want = {"split": split, **source, "items_sha1": items_digest(seqs), "length": length, "top_k": top_k}
@@ -235,12 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--work-dir", type=Path, required=True, help="writes train.pt and heldout.pt here")
-    ap.add_argument("--distill-dir", type=Path, default=None,
-                    help="build from a training/distill_data.py output folder (read only) instead of the demo corpus")
-    ap.add_argument("--validation-share", type=float, default=0.05,
-                    help="--distill-dir: the folder's items in heldout.pt (its validation split, by id hash)")
-    ap.add_argument("--max-items", type=int, default=None,
-                    help="--distill-dir: only the folder's first N finished items (default: all)")
+    add_distill_args(ap)   # heldout.pt holds the validation split
     ap.add_argument("--windows", type=int, default=2000, help="demo corpus: train-split corpus windows")
     ap.add_argument("--prompts", type=int, default=256, help="demo corpus: train-split prompts continued greedily")
     ap.add_argument("--heldout-windows", type=int, default=200, help="demo corpus")
@@ -253,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_model(args.target)
-    if args.distill_dir is not None:
+    if args.distill_dir:
         load_or_build_distill(args.work_dir, target, args.distill_dir, share=args.validation_share,
                               max_items=args.max_items, length=args.length, top_k=args.top_k)
         return

@@ -51,7 +51,7 @@ from specserve.core.sampling import SamplingParams
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "training"))
 from run_checkpoint import resume, save  # noqa: E402 — the resumable checkpoint the trainers share
-from distill_cache import distill_splits, items_digest, packed_windows  # noqa: E402 — a distill folder's rows
+from distill_cache import add_distill_args, distill_splits, folders_meta, items_digest, packed_windows  # noqa: E402 — a distill folder's rows
 from train_eagle import causal_batch, corpus_token_stream  # noqa: E402 — shared helpers
 
 
@@ -171,12 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--text-file", type=Path, default=None, help="train on this text instead of the demo corpus")
-    ap.add_argument("--distill-dir", type=Path, default=None,
-                    help="train on a training/distill_data.py output folder instead (read only; its train split)")
-    ap.add_argument("--validation-share", type=float, default=0.05,
-                    help="--distill-dir: the folder's items left out (its validation split, by id hash)")
-    ap.add_argument("--max-items", type=int, default=None,
-                    help="--distill-dir: only the folder's first N finished items (default: all)")
+    add_distill_args(ap)
     ap.add_argument("--heldout-chat", type=Path, default=None,
                     help="held-out acceptance on a chat set (jsonl of messages, e.g. models/smollm2/heldout_chat.jsonl), "
                          "rendered by the target's chat template: evaluation only")
@@ -202,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if args.text_file is not None and args.distill_dir is not None:
+    if args.text_file is not None and args.distill_dir:
         ap.error("--text-file and --distill-dir are two data sources: give one")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -219,9 +214,9 @@ def main(argv: list[str] | None = None) -> None:
 
     cache_file = work / "cache.pt"
     items, data = [], None   # data: what a distill folder's cache was built from (None: the corpus path)
-    if args.distill_dir is not None:
+    if args.distill_dir:
         items, _ = distill_splits(args.distill_dir, share=args.validation_share, max_items=args.max_items)
-        data = {"distill_dir": args.distill_dir.as_posix(), "validation_share": args.validation_share,
+        data = {"distill_dirs": folders_meta(args.distill_dir), "validation_share": args.validation_share,
                 "max_items": args.max_items, "train_items": len(items), "items_sha1": items_digest(items),
                 "seq_len": args.seq_len}
     cache = torch.load(cache_file, weights_only=False) if cache_file.is_file() else None
@@ -230,10 +225,10 @@ def main(argv: list[str] | None = None) -> None:
         cache = None
     if cache is None:
         T = args.seq_len
-        if args.distill_dir is not None:
+        if args.distill_dir:
             rows, num_self = packed_windows(items, T), 0
             if not rows:
-                raise SystemExit(f"{args.distill_dir}: its train split holds fewer than {T} tokens")
+                raise SystemExit(f"{', '.join(folders_meta(args.distill_dir))}: the train split holds fewer than {T} tokens")
         else:
             stream = corpus_token_stream(tokenizer, args.text_file, "train")
             rng = random.Random(args.seed)
@@ -289,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
         prompts = heldout_chat_prompts(args.target, args.heldout_chat)
         kinds = [json.loads(line)["kind"] for line in args.heldout_chat.read_text(encoding="utf-8").splitlines()
                  if line.strip()]
-    elif args.text_file is None and args.distill_dir is None and prompts_file.is_file():
+    elif args.text_file is None and not args.distill_dir and prompts_file.is_file():
         rows = [json.loads(line) for line in prompts_file.read_text().splitlines()]
         prompts, kinds = [tokenizer.encode(r["prompt"]).ids for r in rows], [r["kind"] for r in rows]
     if prompts is not None:

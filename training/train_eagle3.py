@@ -8,9 +8,9 @@ calibration head and its report are train_eagle's (imported from it).
 
   data      corpus windows and the target's own continuations, as train_eagle (--text-file or the
             demo corpus), or the self-distillation shards of training/distill_data.py
-            (--distill-dir: prompt + response of each item, read only; windows end at an item's
+            (--distill-dir, repeatable: prompt + response of each item, read only; windows end at an item's
             end and the loss is on its response only, --loss-on; see distill_windows). The items
-            are fixed when a run starts (the folder's train split, --max-items, recorded in the
+            are fixed when a run starts (the folders' train split, --max-items, recorded in the
             work dir), so a resumed run trains on the same ones while a generator adds more;
   vocab     the --draft-vocab most frequent tokens of that data → d2t (draft id → target id
             offsets) and t2d (mask over the target vocabulary), fixed before step 0, saved in the
@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT / "training"))
 import train_eagle as e1  # noqa: E402 — the data, calibration and report helpers
 from run_checkpoint import resume, save  # noqa: E402
 import distill_corpus  # noqa: E402
-from distill_cache import distill_splits, items_digest  # noqa: E402
+from distill_cache import add_distill_args, distill_splits, folders_meta, items_digest  # noqa: E402
 import heldout  # noqa: E402
 
 TTT_DECAY = 0.8   # weight of unrolled step k: 0.8^k (later steps are harder and matter less)
@@ -92,22 +92,22 @@ def distill_prompts(folder: Path | list[distill_corpus.DistillSequence], n: int,
 DATA_FILE = "distill_items.json"   # in the work dir: which items the run trains on
 
 
-def run_items(folder: Path, work: Path, *, validation_share: float, max_items: int | None
+def run_items(folders: list[Path], work: Path, *, validation_share: float, max_items: int | None
               ) -> list[distill_corpus.DistillSequence]:
-    """The run's training items: the folder's first `max_items` finished items (all when None),
+    """The run's training items: the folders' first `max_items` finished items (all when None),
     less its validation split, fixed when the run starts (written to the work dir). A resumed run
     must find the same items, so a folder that grew since (its generator still running) is
     refused with the --max-items that resumes on them, rather than read silently."""
-    items, held = distill_splits(folder, share=validation_share, max_items=max_items)
-    record = {"finished_items": len(items) + len(held), "validation_share": validation_share,
-              "train_items": len(items), "items_sha1": items_digest(items)}
+    items, held = distill_splits(folders, share=validation_share, max_items=max_items)
+    record = {"distill_dirs": folders_meta(folders), "finished_items": len(items) + len(held),
+              "validation_share": validation_share, "train_items": len(items), "items_sha1": items_digest(items)}
     data_file = work / DATA_FILE
     if data_file.is_file():
         saved = json.loads(data_file.read_text())
         if saved["items_sha1"] != record["items_sha1"]:
             raise SystemExit(
                 f"{work} holds a run on {saved['train_items']} training items of its first {saved['finished_items']} "
-                f"finished ones (validation share {saved['validation_share']}); {folder} now gives "
+                f"finished ones (validation share {saved['validation_share']}); {', '.join(folders_meta(folders))} now give "
                 f"{record['train_items']} of {record['finished_items']}. Resume with --max-items "
                 f"{saved['finished_items']} --validation-share {saved['validation_share']}, or use another --work-dir")
     else:
@@ -282,12 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--text-file", type=Path, default=None, help="train on this text instead of the demo corpus")
-    ap.add_argument("--distill-dir", type=Path, default=None,
-                    help="train on a training/distill_data.py output folder instead (its finished shards)")
-    ap.add_argument("--max-items", type=int, default=None,
-                    help="--distill-dir: train on its first N finished items only (default: all when the run starts)")
-    ap.add_argument("--validation-share", type=float, default=0.05,
-                    help="--distill-dir: the items left out of training (its validation split, by id hash)")
+    add_distill_args(ap)   # the items are fixed when the run starts (see run_items)
     ap.add_argument("--heldout-file", type=Path, default=None, help="calibration report prompts (text)")
     ap.add_argument("--heldout-chat", type=Path, default=None,
                     help="calibration report prompts: a held-out chat set (jsonl of messages), rendered by "
@@ -340,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
 
-    if args.distill_dir is not None:
+    if args.distill_dir:
         items = run_items(args.distill_dir, work, validation_share=args.validation_share, max_items=args.max_items)
         seqs = [s.tokens for s in items]
         stream = [t for s in seqs for t in s]   # the calibration windows and the vocabulary count
@@ -381,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
     state = resume(ckpt, "drafter", drafter, opt, sched)
     if state:
         step, log_rows = state["step"], state["log"]
-    if args.distill_dir is not None and args.loss_on == "responses":
+    if args.distill_dir and args.loss_on == "responses":
         data = distill_windows(items, seq_len=args.seq_len, batch=args.batch, seed=args.seed)
     else:
         data = ((t, None) for t in e1.batches(stream, extra, seq_len=args.seq_len, batch=args.batch, seed=args.seed))
@@ -411,7 +406,7 @@ def main(argv: list[str] | None = None) -> None:
     train_prompts = [stream[s:s + args.seq_len // 2] for s in starts]
     # A distill folder's own prompts are the traffic it was made for (chat-templated), unless
     # --calib-prompts-file names other prompts.
-    if args.distill_dir is not None and args.calib_prompts_file is None:
+    if args.distill_dir and args.calib_prompts_file is None:
         serving_like = distill_prompts(items, args.calib_serving_prompts, args.seed + 2)
     else:
         serving_like = e1.serving_like_prompts(tokenizer, args.calib_prompts_file, args.text_file,
@@ -435,7 +430,7 @@ def main(argv: list[str] | None = None) -> None:
     tail = log_rows[-20:]
     summary = {"target": str(args.target), "steps": args.steps, "seq_len": args.seq_len, "batch": args.batch,
                "ttt_steps": args.ttt_steps, "draft_vocab_size": drafter.draft_vocab_size,
-               "loss_on": args.loss_on if args.distill_dir is not None else "all",
+               "loss_on": args.loss_on if args.distill_dir else "all",
                "saved_dtype": args.save_dtype, "bf16_autocast": args.bf16,
                "draft_vocab_coverage": round(float(token_counts([stream] + extra, V)[drafter.t2d].sum())
                                              / max(1, sum(len(s) for s in [stream] + extra)), 4),
@@ -444,7 +439,7 @@ def main(argv: list[str] | None = None) -> None:
                "wall_time_s": round(time.time() - t_start, 1),
                "final_teacher_forced_top1_per_step": [round(sum(r["top1"][k] for r in tail) / max(1, len(tail)), 4)
                                                       for k in range(args.ttt_steps)],
-               "distill_items": (json.loads((work / DATA_FILE).read_text()) if args.distill_dir is not None else None),
+               "distill_items": (json.loads((work / DATA_FILE).read_text()) if args.distill_dir else None),
                "calibration_prompts": {"corpus_windows": len(starts), "serving_like": len(serving_like)},
                "calibration": report, "command": " ".join(sys.argv)}
     (args.out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
