@@ -135,15 +135,16 @@ def test_a_run_keeps_the_items_it_started_on_while_the_folder_grows(tmp_path):
     (shards / "shard-00000.jsonl.gz").write_bytes(gzip_lines([item(i) for i in range(40)]))
     work = tmp_path / "w"
     work.mkdir()
-    first = train_eagle3.run_items([tmp_path / "d"], work, validation_share=0.25, max_items=None)
+    first, held = train_eagle3.run_items([tmp_path / "d"], work, validation_share=0.25, max_items=None)
     left_out = [f"i{i}" for i in range(40) if distill_corpus.is_validation(f"i{i}", 0.25)]
     assert 0 < len(left_out) < 20 and [s.id for s in first] == [f"i{i}" for i in range(40) if f"i{i}" not in left_out]
+    assert [s.id for s in held] == left_out
     (shards / "shard-00001.jsonl.gz").write_bytes(gzip_lines([item(i) for i in range(40, 50)]))   # the generator goes on
     with pytest.raises(SystemExit, match=rf"holds a run on {len(first)} training items of its first 40 finished "
                                          rf"ones \(validation share 0.25\); .* now give \d+ of 50. Resume with "
                                          rf"--max-items 40 --validation-share 0.25"):
         train_eagle3.run_items([tmp_path / "d"], work, validation_share=0.25, max_items=None)
-    again = train_eagle3.run_items([tmp_path / "d"], work, validation_share=0.25, max_items=40)
+    again, _ = train_eagle3.run_items([tmp_path / "d"], work, validation_share=0.25, max_items=40)
     assert again == first
 
 
@@ -261,3 +262,47 @@ def test_heldout_chat_prompts_are_rendered_by_the_chat_template(tmp_path):
     want = [tok(f"<s>user\n{c}</s>\n<s>assistant\n").input_ids for c in ("the cat", "a dog ran")]
     assert train_eagle3.heldout_chat_prompts(ckpt, chat) == want
     assert all(w[0] == tok.convert_tokens_to_ids("<s>") for w in want)
+
+
+def test_validation_is_the_training_loss_without_a_step(tmp_path):
+    """validation_losses: the loss and top-1 train_step reports on the same window (before its
+    update), with no parameter moved; several batches give the mean."""
+    target = load_model(make_tiny_checkpoint(tmp_path / "t", "llama", seed=3, num_hidden_layers=4))
+    cfg = target.cfg.__class__(**{**target.cfg.__dict__, "num_layers": 1})
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    mask = (torch.arange(16) % 3 != 0).float().expand(2, 16)
+    d = seeded_drafter(cfg, target)
+    before = {n: p.detach().clone() for n, p in d.named_parameters()}
+    val = train_eagle3.validation_losses(d, target, [(tokens, mask)], ttt_steps=3, bf16=False)
+    twice = train_eagle3.validation_losses(d, target, [(tokens, mask)] * 2, ttt_steps=3, bf16=False)
+    assert all(torch.equal(p, before[n]) for n, p in d.named_parameters()) and d.training
+    trained = train_eagle3.train_step(d, target, tokens, torch.optim.SGD(d.parameters(), lr=0.1), ttt_steps=3,
+                                      loss_mask=mask)
+    assert val.ce == pytest.approx(trained.ce, rel=1e-6) and val.top1 == pytest.approx(trained.top1, abs=1e-9)
+    assert twice.ce == pytest.approx(val.ce, rel=1e-6) and twice.top1 == pytest.approx(val.top1, abs=1e-9)
+    assert not all(torch.equal(p, before[n]) for n, p in d.named_parameters())   # the step did move them
+
+
+def test_a_distill_run_logs_the_validation_split_every_val_every_steps(tmp_path):
+    target = Path(make_tiny_checkpoint(tmp_path / "target", "llama", vocab_size=400, seed=3, num_hidden_layers=4))
+    train_tiny_tokenizer(target, 400)
+    shards = tmp_path / "d" / "shards"
+    shards.mkdir(parents=True)
+    rng = torch.Generator().manual_seed(0)
+    rows = [json.dumps({"id": f"i{i}", "phase": "response", "source": "man", "messages": [
+        {"role": "user", "content": f"question {i}"}], "sampling": {"temperature": 0.0},
+        "prompt_ids": torch.randint(3, 400, (12,), generator=rng).tolist(),
+        "response_ids": torch.randint(3, 400, (30,), generator=rng).tolist()}) for i in range(24)]
+    (shards / "shard-00000.jsonl.gz").write_bytes(gzip_lines(rows))
+    out = tmp_path / "out"
+    train_eagle3.main(["--target", str(target), "--out", str(out), "--distill-dir", str(tmp_path / "d"),
+                       "--validation-share", "0.25", "--work-dir", str(tmp_path / "w"), "--steps", "4",
+                       "--val-every", "2", "--seq-len", "32", "--batch", "2", "--calib-prompts", "2",
+                       "--calib-new-tokens", "4", "--calib-epochs", "1", "--calib-serving-prompts", "2",
+                       "--ckpt-every", "2", "--draft-vocab", "96", "--ttt-steps", "2",
+                       "--target-layers", "1", "2", "4"])
+    log = [json.loads(r) for r in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "val_top1" in r] == [2, 4] and all(len(r["val_top1"]) == 2 for r in log[1::2])
+    summary = json.loads((out / "training.json").read_text())
+    assert summary["validation_top1_per_step"] == [round(t, 4) for t in log[-1]["val_top1"]]
+    assert summary["validation_windows"] == 4 and summary["distill_items"]["distill_dirs"] == [(tmp_path / "d").as_posix()]

@@ -39,8 +39,15 @@ def main(argv: list[str] | None = None) -> None:
     a.set(xlabel="step", ylabel=("soft CE, 0.8^k-weighted sum over unrolled steps" if eagle3 else
                                  "soft CE vs the target's top-K" + summed), title=log.parent.name)
     if eagle3:
+        val = [r for r in rows if "val_top1" in r]   # --val-every: the validation split, unsmoothed
+        if val:
+            a.plot([r["step"] for r in val], [r["val_ce"] for r in val], "o--", label="validation split")
+            a.legend()
         for k in range(len(rows[0]["top1"])):
-            b.plot(steps, smooth([r["top1"][k] for r in rows]), label=f"unrolled step {k} (token t+{k + 2})")
+            line, = b.plot(steps, smooth([r["top1"][k] for r in rows]), label=f"unrolled step {k} (token t+{k + 2})")
+            if val:
+                b.plot([r["step"] for r in val], [r["val_top1"][k] for r in val], "o--", color=line.get_color(),
+                       label=f"step {k}, validation split")
         b.legend()
     elif "top1_per_head" in rows[0]:
         for j in range(len(rows[0]["top1_per_head"])):

@@ -93,9 +93,9 @@ DATA_FILE = "distill_items.json"   # in the work dir: which items the run trains
 
 
 def run_items(folders: list[Path], work: Path, *, validation_share: float, max_items: int | None
-              ) -> list[distill_corpus.DistillSequence]:
-    """The run's training items: the folders' first `max_items` finished items (all when None),
-    less its validation split, fixed when the run starts (written to the work dir). A resumed run
+              ) -> tuple[list[distill_corpus.DistillSequence], list[distill_corpus.DistillSequence]]:
+    """The run's (training, validation) items: the folders' first `max_items` finished items (all
+    when None), split by id hash; the training items are fixed when the run starts (written to the work dir). A resumed run
     must find the same items, so a folder that grew since (its generator still running) is
     refused with the --max-items that resumes on them, rather than read silently."""
     items, held = distill_splits(folders, share=validation_share, max_items=max_items)
@@ -112,7 +112,7 @@ def run_items(folders: list[Path], work: Path, *, validation_share: float, max_i
                 f"{saved['finished_items']} --validation-share {saved['validation_share']}, or use another --work-dir")
     else:
         data_file.write_text(json.dumps(record, indent=1) + "\n")
-    return items
+    return items, held
 
 
 def distill_windows(items: list[distill_corpus.DistillSequence], *, seq_len: int, batch: int, seed: int):
@@ -196,15 +196,14 @@ class Losses:
     top1: list[float]    # per step: drafted token (mapped to target ids) == the target's argmax
 
 
-def train_step(drafter: Eagle3Drafter, target: Transformer, tokens: torch.Tensor, opt, *, ttt_steps: int,
-               loss_mask: torch.Tensor | None = None, bf16: bool = False) -> Losses:
-    """One optimizer step on tokens [B, T]. loss_mask [B, T] (1: learn the target's distribution
-    at that position; distill_windows) leaves the other positions out of the loss and of top1;
-    None learns every position. bf16: the window's forwards (the target's and the drafter's) under
-    bf16 autocast, fp32 weights, optimizer and loss; the target's features and labels are then its
-    bf16 forward's, close to but not exactly what an fp32 served target computes."""
+@torch.no_grad()
+def window_targets(drafter: Eagle3Drafter, target: Transformer, tokens: torch.Tensor, *, bf16: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the drafter learns from on tokens [B, T], from one target forward: the fused layers'
+    input feats [B, T, (1+L) D], the token embeddings [B, T, D], the target's argmax [B, T] and
+    its logits over the draft vocabulary [B, T, Vd]."""
     layers = drafter.feature_layers
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         out = target.forward(e1.causal_batch(tokens), cache=None, hidden_layers=layers)
         feats = torch.cat([out.hidden] + [out.layer_hidden[i] for i in layers], dim=-1).float()  # [B, T, (1+L) D]
         tlogits = target.logits(out.hidden)                                              # [B, T, V]
@@ -214,6 +213,37 @@ def train_step(drafter: Eagle3Drafter, target: Transformer, tokens: torch.Tensor
         tdraft = tlogits[..., ids].float()                                               # [B, T, Vd]
         del tlogits
         embeds = target.embed_tokens(tokens).float()                                     # [B, T, D]
+    return feats, embeds, targmax, tdraft
+
+
+@torch.no_grad()
+def validation_losses(drafter: Eagle3Drafter, target: Transformer, batches: list, *, ttt_steps: int,
+                      bf16: bool) -> Losses:
+    """The training loss and top-1 per unrolled step on fixed (tokens, mask) batches the run never
+    trains on (the folders' validation split): the curve that shows the drafter generalising or
+    only fitting its training items. Means over batches; no optimizer step."""
+    was_training = drafter.training
+    drafter.eval()
+    ce, top1 = 0.0, [0.0] * ttt_steps
+    for tokens, mask in batches:
+        feats, embeds, targmax, tdraft = window_targets(drafter, target, tokens, bf16=bf16)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            total, hits = unrolled_loss(drafter, tokens, feats, embeds, targmax, tdraft, ttt_steps=ttt_steps,
+                                        loss_mask=mask)
+        ce += float(total) / len(batches)
+        top1 = [a + b / len(batches) for a, b in zip(top1, hits)]
+    drafter.train(was_training)
+    return Losses(ce, top1)
+
+
+def train_step(drafter: Eagle3Drafter, target: Transformer, tokens: torch.Tensor, opt, *, ttt_steps: int,
+               loss_mask: torch.Tensor | None = None, bf16: bool = False) -> Losses:
+    """One optimizer step on tokens [B, T]. loss_mask [B, T] (1: learn the target's distribution
+    at that position; distill_windows) leaves the other positions out of the loss and of top1;
+    None learns every position. bf16: the window's forwards (the target's and the drafter's) under
+    bf16 autocast, fp32 weights, optimizer and loss; the target's features and labels are then its
+    bf16 forward's, close to but not exactly what an fp32 served target computes."""
+    feats, embeds, targmax, tdraft = window_targets(drafter, target, tokens, bf16=bf16)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):   # the forward only, not backward
         total, top1 = unrolled_loss(drafter, tokens, feats, embeds, targmax, tdraft, ttt_steps=ttt_steps,
                                     loss_mask=loss_mask)
@@ -309,6 +339,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calib-new-tokens", type=int, default=64)
     ap.add_argument("--calib-epochs", type=int, default=30)
     ap.add_argument("--ckpt-every", type=int, default=50)
+    ap.add_argument("--val-every", type=int, default=50,
+                    help="with --distill-dir: loss and top-1 on the validation split every N steps (0: never)")
+    ap.add_argument("--val-batches", type=int, default=2, help="fixed validation batches of --batch windows")
     ap.add_argument("--stop-at", type=int, default=None,
                     help="checkpoint and exit at this step (to split a long run; rerun to resume)")
     ap.add_argument("--threads", type=int, default=None)
@@ -336,7 +369,8 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.time()
 
     if args.distill_dir:
-        items = run_items(args.distill_dir, work, validation_share=args.validation_share, max_items=args.max_items)
+        items, held = run_items(args.distill_dir, work, validation_share=args.validation_share,
+                                max_items=args.max_items)
         seqs = [s.tokens for s in items]
         stream = [t for s in seqs for t in s]   # the calibration windows and the vocabulary count
         extra = seqs
@@ -382,6 +416,10 @@ def main(argv: list[str] | None = None) -> None:
         data = ((t, None) for t in e1.batches(stream, extra, seq_len=args.seq_len, batch=args.batch, seed=args.seed))
     for _ in range(step):  # replay the data order so a resumed run sees the same batches
         next(data)
+    val_batches = []   # fixed windows of the validation split, drawn as training draws its own
+    if args.distill_dir and args.val_every and held:
+        val_data = distill_windows(held, seq_len=args.seq_len, batch=args.batch, seed=args.seed + 3)
+        val_batches = [next(val_data) for _ in range(args.val_batches)]
     bar = tqdm(total=args.steps, initial=step, desc="EAGLE-3 backbone", unit="step")
     drafter.train()
     stop_at = min(args.steps, args.stop_at or args.steps)
@@ -390,7 +428,12 @@ def main(argv: list[str] | None = None) -> None:
         losses = train_step(drafter, target, tokens, opt, ttt_steps=args.ttt_steps, loss_mask=mask, bf16=args.bf16)
         sched.step()
         step += 1
-        log_rows.append({"step": step, **losses.__dict__})
+        row = {"step": step, **losses.__dict__}
+        if val_batches and (step % args.val_every == 0 or step == args.steps):
+            val = validation_losses(drafter, target, val_batches, ttt_steps=args.ttt_steps, bf16=args.bf16)
+            row |= {"val_ce": val.ce, "val_top1": val.top1}
+            bar.write(f"step {step}: validation ce {val.ce:.3f}, top-1 " + " / ".join(f"{t:.3f}" for t in val.top1))
+        log_rows.append(row)
         bar.update(1)
         bar.set_postfix(ce=f"{losses.ce:.3f}", top1="/".join(f"{t:.2f}" for t in losses.top1))
         if step % args.ckpt_every == 0 or step == stop_at:
@@ -439,6 +482,10 @@ def main(argv: list[str] | None = None) -> None:
                "wall_time_s": round(time.time() - t_start, 1),
                "final_teacher_forced_top1_per_step": [round(sum(r["top1"][k] for r in tail) / max(1, len(tail)), 4)
                                                       for k in range(args.ttt_steps)],
+               # the last validation of the run: fixed windows of the folders' validation split
+               "validation_top1_per_step": next(([round(t, 4) for t in r["val_top1"]]
+                                                 for r in reversed(log_rows) if "val_top1" in r), None),
+               "validation_windows": len(val_batches) * args.batch,
                "distill_items": (json.loads((work / DATA_FILE).read_text()) if args.distill_dir else None),
                "calibration_prompts": {"corpus_windows": len(starts), "serving_like": len(serving_like)},
                "calibration": report, "command": " ".join(sys.argv)}
