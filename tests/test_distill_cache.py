@@ -112,3 +112,20 @@ def test_several_folders_are_read_end_to_end_in_order_and_a_repeated_item_is_ref
     assert val["tokens"].tolist() == [[10, 11, 12, 13], [14, 15, 16, 17], [18, 19, 34, 35]]
     with pytest.raises(SystemExit, match=rf"^item i0 is in both {first} and {first}: give a folder once"):
         distill_cache.distill_splits([first, first], share=0.5)
+
+
+def test_a_bf16_cache_is_built_apart_and_follows_the_fp32_one(target_dir, tmp_path):
+    """--bf16: the target forward under autocast; the cache says so, is not taken for the fp32
+    one (same work dir: rebuilt), and its hidden states stay close to fp32's."""
+    folder = write_folder(tmp_path / "d", ITEMS)
+    build(target_dir, folder, tmp_path / "w")
+    fp32 = torch.load(tmp_path / "w" / "train.pt", weights_only=False)
+    build(target_dir, folder, tmp_path / "w", "--bf16")
+    bf16 = torch.load(tmp_path / "w" / "train.pt", weights_only=False)
+    assert (fp32["want"]["bf16_autocast"], bf16["want"]["bf16_autocast"]) == (False, True)
+    assert bf16["cache"]["meta"]["bf16_autocast"] is True
+    assert torch.equal(bf16["cache"]["tokens"], fp32["cache"]["tokens"])
+    a, b = fp32["cache"]["hidden"].float(), bf16["cache"]["hidden"].float()
+    assert not torch.equal(a, b) and float((a - b).norm() / a.norm()) < 0.05
+    with pytest.raises(SystemExit):
+        distill_cache.main(["--target", str(target_dir), "--work-dir", str(tmp_path / "x"), "--bf16"])
