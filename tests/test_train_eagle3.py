@@ -245,6 +245,22 @@ def test_distill_prompts_are_the_items_prompts_seeded(tmp_path):
         [(10 * i, 10 * i + 1) for i in range(5)]
 
 
+def test_calibration_prompts_are_windows_and_prompts_of_the_items_given():
+    """calibration_prompts: seeded half-length windows of the items' text end to end, then their
+    chat prompts; main hands it the validation split, so nothing of the training items is in it."""
+    items = [distill_corpus.DistillSequence(id=f"i{i}", source="man", sampled=False,
+                                            tokens=[100 * i + j for j in range(10)], response_start=4)
+             for i in range(3)]
+    stream = [t for s in items for t in s.tokens]
+    got = train_eagle3.calibration_prompts(items, windows=2, serving=5, seq_len=8, seed=1)
+    assert got == train_eagle3.calibration_prompts(items, windows=2, serving=5, seq_len=8, seed=1)
+    windows, prompts = got[:2], got[2:]
+    assert all(len(w) == 4 and any(stream[a:a + 4] == w for a in range(len(stream))) for w in windows)
+    assert sorted(prompts) == [[100 * i + j for j in range(4)] for i in range(3)]   # all 3: fewer than 5
+    with pytest.raises(SystemExit, match="hold 30 tokens, fewer than --seq-len 30"):
+        train_eagle3.calibration_prompts(items, windows=1, serving=0, seq_len=30, seed=1)
+
+
 def test_heldout_chat_prompts_are_rendered_by_the_chat_template(tmp_path):
     """--heldout-chat: each conversation rendered by the target's chat template with the assistant
     turn opened, tokenized as the OpenAI layer's preprocess does."""
@@ -306,3 +322,4 @@ def test_a_distill_run_logs_the_validation_split_every_val_every_steps(tmp_path)
     summary = json.loads((out / "training.json").read_text())
     assert summary["validation_top1_per_step"] == [round(t, 4) for t in log[-1]["val_top1"]]
     assert summary["validation_windows"] == 4 and summary["distill_items"]["distill_dirs"] == [(tmp_path / "d").as_posix()]
+    assert summary["calibration_prompts"] == {"from": "validation", "corpus_windows": 2, "serving_like": 2}

@@ -23,7 +23,9 @@ calibration head and its report are train_eagle's (imported from it).
             distribution restricted to the draft vocabulary (positions whose target argmax lies
             outside it are left out, since the drafter cannot propose it), weighted 0.8^k;
   calibration  as train_eagle: real drafting through the engine, then a small head fit with BCE;
-            its scalars (top-1 probability, entropy) are over the draft vocabulary.
+            its scalars (top-1 probability, entropy) are over the draft vocabulary. With
+            --distill-dir its prompts come from the folders' validation split (--calib-on), items
+            the backbone never trained on, so the head predicts acceptance on unseen traffic.
 
 Deterministic (--seed), resumable (checkpoints in --work-dir every --ckpt-every steps), with
 progress bars. Example:
@@ -87,6 +89,22 @@ def distill_prompts(folder: Path | list[distill_corpus.DistillSequence], n: int,
     prompts = [s.tokens[:s.response_start] for s in items]
     random.Random(seed).shuffle(prompts)
     return prompts[:max(0, n)]
+
+
+def calibration_prompts(items: list[distill_corpus.DistillSequence], *, windows: int, serving: int,
+                        seq_len: int, seed: int) -> list[list[int]]:
+    """The calibration head's prompts from these items: `windows` seeded windows of seq_len // 2 ids
+    of their text end to end (prompt + response), then `serving` of their chat prompts
+    (distill_prompts). main passes the validation split (--calib-on validation): the head learns
+    how often drafts are accepted on text the drafter never trained on, which is what serving
+    sees; fit on training items it learns the drafter's fit to them (over-confident elsewhere)."""
+    stream = [t for s in items for t in s.tokens]
+    if windows and len(stream) <= seq_len:
+        raise SystemExit(f"the calibration items hold {len(stream)} tokens, fewer than --seq-len {seq_len}: "
+                         "lower --calib-prompts to 0 or use --calib-on train")
+    rng = random.Random(seed + 1)
+    starts = [rng.randrange(0, len(stream) - seq_len) for _ in range(windows)]
+    return [stream[s:s + seq_len // 2] for s in starts] + distill_prompts(items, serving, seed + 2)
 
 
 DATA_FILE = "distill_items.json"   # in the work dir: which items the run trains on
@@ -335,6 +353,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calib-prompts", type=int, default=48)
     ap.add_argument("--calib-serving-prompts", type=int, default=64)
     ap.add_argument("--calib-prompts-file", type=Path, default=None)
+    ap.add_argument("--calib-on", choices=("validation", "train"), default=None,
+                    help="with --distill-dir: fit the calibration head on the folders' validation split "
+                         "(the default: items the drafter never trained on) or on its training items")
     ap.add_argument("--calib-draft-len", type=int, default=8)
     ap.add_argument("--calib-new-tokens", type=int, default=64)
     ap.add_argument("--calib-epochs", type=int, default=30)
@@ -354,6 +375,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="dtype of the written weights (bfloat16: half the size of a committed drafter; "
                          "the calibration head stays fp32)")
     args = ap.parse_args(argv)
+    if args.calib_on and not args.distill_dir:
+        ap.error("--calib-on needs --distill-dir (a text corpus has no validation split)")
+    calib_on = args.calib_on or ("validation" if args.distill_dir else "train")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.seq_len < args.ttt_steps + 2:
@@ -444,17 +468,21 @@ def main(argv: list[str] | None = None) -> None:
         return
     drafter.eval().requires_grad_(False)
 
-    rng = random.Random(args.seed + 1)
-    starts = [rng.randrange(0, len(stream) - args.seq_len) for _ in range(args.calib_prompts)]
-    train_prompts = [stream[s:s + args.seq_len // 2] for s in starts]
-    # A distill folder's own prompts are the traffic it was made for (chat-templated), unless
-    # --calib-prompts-file names other prompts.
     if args.distill_dir and args.calib_prompts_file is None:
-        serving_like = distill_prompts(items, args.calib_serving_prompts, args.seed + 2)
+        # A distill folder's own prompts are the traffic it was made for (chat-templated).
+        calib_items = held if calib_on == "validation" else items
+        if not calib_items:
+            raise SystemExit("--calib-on validation: the validation split is empty (--validation-share)")
+        train_prompts = calibration_prompts(calib_items, windows=args.calib_prompts, serving=args.calib_serving_prompts,
+                                            seq_len=args.seq_len, seed=args.seed)
+        n_windows, n_serving = args.calib_prompts, len(train_prompts) - args.calib_prompts
     else:
+        rng = random.Random(args.seed + 1)
+        starts = [rng.randrange(0, len(stream) - args.seq_len) for _ in range(args.calib_prompts)]
         serving_like = e1.serving_like_prompts(tokenizer, args.calib_prompts_file, args.text_file,
                                                args.calib_serving_prompts)
-    train_prompts += serving_like
+        train_prompts = [stream[s:s + args.seq_len // 2] for s in starts] + serving_like
+        n_windows, n_serving = len(starts), len(serving_like)
     h, s, y = e1.collect_calibration(drafter, target, train_prompts, draft_len=args.calib_draft_len,
                                      new_tokens=args.calib_new_tokens, desc="calib-train")
     drafter.calibration.requires_grad_(True)
@@ -487,7 +515,8 @@ def main(argv: list[str] | None = None) -> None:
                                                  for r in reversed(log_rows) if "val_top1" in r), None),
                "validation_windows": len(val_batches) * args.batch,
                "distill_items": (json.loads((work / DATA_FILE).read_text()) if args.distill_dir else None),
-               "calibration_prompts": {"corpus_windows": len(starts), "serving_like": len(serving_like)},
+               "calibration_prompts": {"from": calib_on if args.calib_prompts_file is None else "file",
+                                       "corpus_windows": n_windows, "serving_like": n_serving},
                "calibration": report, "command": " ".join(sys.argv)}
     (args.out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     (args.out / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log_rows))
