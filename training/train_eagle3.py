@@ -96,8 +96,7 @@ def calibration_prompts(items: list[distill_corpus.DistillSequence], *, windows:
     """The calibration head's prompts from these items: `windows` seeded windows of seq_len // 2 ids
     of their text end to end (prompt + response), then `serving` of their chat prompts
     (distill_prompts). main passes the validation split (--calib-on validation): the head learns
-    how often drafts are accepted on text the drafter never trained on, which is what serving
-    sees; fit on training items it learns the drafter's fit to them (over-confident elsewhere)."""
+    how often drafts are accepted on text the drafter never trained on, as serving traffic is."""
     stream = [t for s in items for t in s.tokens]
     if windows and len(stream) <= seq_len:
         raise SystemExit(f"the calibration items hold {len(stream)} tokens, fewer than --seq-len {seq_len}: "
