@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from specserve.triton.launch import PORT_RETRIES, PORT_TAKEN, Ports
+from specserve.triton.parent_death import die_with_parent
 
 READY = "specserve: ready"
 
@@ -89,8 +90,11 @@ def serve_process(command: list[str], *args: str, cwd=None, env=None,
     (launch.PORT_RETRIES times), so nothing depends on port luck. Killed on exit if still running."""
     for _ in range(PORT_RETRIES + 1):
         ports = Ports.free()
-        proc = subprocess.Popen([*command, "serve", *args, "--http-port", str(ports.http),
-                                 "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics)],
+        # SIGTERM (serve drains and stops its tritonserver) if this process dies without exiting
+        # the with block: a peer's segfault in a benchmark left servers running before.
+        proc = subprocess.Popen(die_with_parent([*command, "serve", *args, "--http-port", str(ports.http),
+                                                 "--grpc-port", str(ports.grpc), "--metrics-port",
+                                                 str(ports.metrics)], signal.SIGTERM),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env)
         try:
             lines, deadline = [], time.monotonic() + ready_timeout

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specserve.serving.auth import grpc_headers, new_key, restricted_api_args
+from specserve.triton.parent_death import die_with_parent
 
 NGC_ROOT = Path("/opt/tritonserver")
 
@@ -205,7 +206,8 @@ class TritonServer:
             self.log_file.parent.mkdir(parents=True, exist_ok=True)
             out = open(self.log_file, "wb")
         # A new session: stop() signals the server's whole group (it and its model stubs).
-        self.process = subprocess.Popen(cmd, env=server_env(), stdout=out, stderr=subprocess.STDOUT if out else None,
+        # SIGINT (the graceful shutdown) if the process that started it dies first.
+        self.process = subprocess.Popen(die_with_parent(cmd, signal.SIGINT), env=server_env(), stdout=out, stderr=subprocess.STDOUT if out else None,
                                         start_new_session=True)
         if out is not None:
             out.close()
