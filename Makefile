@@ -45,8 +45,18 @@ $(AIPERF_STAMP):
 PEERS_STAMP := $(VENV)/.peers-installed
 peers: $(PEERS_STAMP)
 
+# Built here, never from pip's wheel cache: the cache is keyed by the source archive, not by the
+# CPU or CMAKE_ARGS, and a cached build crashed. On CPUs with AMX, ggml's AMX kernels segfault in
+# the first batched matmul (0.3.36, on a 2-core Xeon VM with AMX): built there for the same
+# AVX-512 features without them (an AMX CPU has all of these).
+LLAMA_CMAKE_ARGS := $(if $(shell grep -m1 -o amx_int8 /proc/cpuinfo 2>/dev/null),-DGGML_NATIVE=OFF \
+	-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON \
+	-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF \
+	-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+
 $(PEERS_STAMP): $(STAMP)
-	$(PY) -m pip install llama-cpp-python==0.3.36
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --no-cache-dir --no-binary llama-cpp-python \
+		llama-cpp-python==0.3.36
 	touch $(PEERS_STAMP)
 
 # SmolLM2-135M-Instruct chat at c = 1 against transformers and llama.cpp on the same cores
