@@ -257,7 +257,7 @@ def test_calibration_prompts_are_windows_and_prompts_of_the_items_given():
     windows, prompts = got[:2], got[2:]
     assert all(len(w) == 4 and any(stream[a:a + 4] == w for a in range(len(stream))) for w in windows)
     assert sorted(prompts) == [[100 * i + j for j in range(4)] for i in range(3)]   # all 3: fewer than 5
-    with pytest.raises(SystemExit, match="hold 30 tokens, fewer than --seq-len 30"):
+    with pytest.raises(SystemExit, match="hold 30 tokens, no more than --seq-len 30"):
         train_eagle3.calibration_prompts(items, windows=1, serving=0, seq_len=30, seed=1)
 
 

@@ -99,11 +99,15 @@ def calibration_prompts(items: list[distill_corpus.DistillSequence], *, windows:
     how often drafts are accepted on text the drafter never trained on, as serving traffic is."""
     stream = [t for s in items for t in s.tokens]
     if windows and len(stream) <= seq_len:
-        raise SystemExit(f"the calibration items hold {len(stream)} tokens, fewer than --seq-len {seq_len}: "
+        raise SystemExit(f"the calibration items hold {len(stream)} tokens, no more than --seq-len {seq_len}: "
                          "lower --calib-prompts to 0 or use --calib-on train")
+    return calibration_windows(stream, windows, seq_len, seed) + distill_prompts(items, serving, seed + 2)
+
+
+def calibration_windows(stream: list[int], n: int, seq_len: int, seed: int) -> list[list[int]]:
+    """n seeded windows of seq_len // 2 ids of this token stream: the calibration head's text prompts."""
     rng = random.Random(seed + 1)
-    starts = [rng.randrange(0, len(stream) - seq_len) for _ in range(windows)]
-    return [stream[s:s + seq_len // 2] for s in starts] + distill_prompts(items, serving, seed + 2)
+    return [stream[s:s + seq_len // 2] for s in (rng.randrange(0, len(stream) - seq_len) for _ in range(n))]
 
 
 DATA_FILE = "distill_items.json"   # in the work dir: which items the run trains on
@@ -476,12 +480,10 @@ def main(argv: list[str] | None = None) -> None:
                                             seq_len=args.seq_len, seed=args.seed)
         n_windows, n_serving = args.calib_prompts, len(train_prompts) - args.calib_prompts
     else:
-        rng = random.Random(args.seed + 1)
-        starts = [rng.randrange(0, len(stream) - args.seq_len) for _ in range(args.calib_prompts)]
         serving_like = e1.serving_like_prompts(tokenizer, args.calib_prompts_file, args.text_file,
                                                args.calib_serving_prompts)
-        train_prompts = [stream[s:s + args.seq_len // 2] for s in starts] + serving_like
-        n_windows, n_serving = len(starts), len(serving_like)
+        train_prompts = calibration_windows(stream, args.calib_prompts, args.seq_len, args.seed) + serving_like
+        n_windows, n_serving = args.calib_prompts, len(serving_like)
     h, s, y = e1.collect_calibration(drafter, target, train_prompts, draft_len=args.calib_draft_len,
                                      new_tokens=args.calib_new_tokens, desc="calib-train")
     drafter.calibration.requires_grad_(True)
