@@ -34,21 +34,23 @@ def check_checkpoint(target: Path, max_model_len: int | None) -> int:
     return max_model_len
 
 
-def check_quantization_flags(target: Path, quantize: str, group_size: int, device_type: str, dtype: str) -> None:
-    """--quantize / --quantize-group-size against the checkpoint's shapes, the device and --dtype
-    (the engine checks the same at load; here it fails before a server starts)."""
+def check_quantization_flags(target: Path, quantize: str, group_size: int, device_type: str, dtype: str,
+                             head: str = "none") -> None:
+    """--quantize / --quantize-group-size / --quantize-head against the checkpoint's shapes, the
+    device and --dtype (the engine checks the same at load; here it fails before a server starts)."""
     from specserve.model.quantize import (Quantization, QuantizeError, check_quantization, kept_quantization,
                                           served_quantization)
     from specserve.model.transformer import load_config
 
-    asked = Quantization(quantize, group_size)
+    asked = Quantization(quantize, group_size, head)
     try:
         kept = kept_quantization(target)   # an import-gguf --keep-quantized folder's int4
         check_quantization(served_quantization(asked, kept, target), load_config(target), device_type, dtype)
     except QuantizeError as e:
         if kept is not None and asked.mode == "none":   # the folder's own quantization cannot run here
             raise CliError(f"cannot serve {target}: {e}") from None
-        flag = "--quantize-group-size" if "group size" in str(e) else "--quantize"
+        flag = ("--quantize-group-size" if "group size" in str(e) else
+                "--quantize-head" if "quantize head" in str(e) else "--quantize")
         raise CliError(f"{flag}: {e}") from None
 
 

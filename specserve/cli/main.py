@@ -10,6 +10,7 @@ drafters, … as they are built).
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import signal
 import socket
 import sys
@@ -117,11 +118,11 @@ def _quantized(settings: "DeploymentSettings") -> str:
     from specserve.model.quantize import kept_quantization
 
     kept = kept_quantization(settings.checkpoint)
-    q = kept or settings.quantization()   # serve_settings refused both at once
-    if q.mode == "none":
+    asked = settings.quantization()
+    q = replace(kept, head=asked.head) if kept else asked   # serve_settings refused both at once
+    if q.label() == "none":
         return ""
-    group = f" group {q.group_size}" if q.mode == "int4" else ""
-    return f" activations, {q.mode}{group} weights" + (" (kept from the GGUF file)" if kept else "")
+    return f" activations, {q.label()} weights" + (" (kept from the GGUF file)" if kept else "")
 
 
 def _interrupt(signum, frame) -> None:
@@ -132,6 +133,7 @@ def serve_settings(args: argparse.Namespace) -> tuple["DeploymentSettings", list
     """serve's flags → the DeploymentSettings it serves, every check a user can fail made here,
     before any server starts. Returns (settings, the methods it serves)."""
     from specserve.model.devices import resolve_device
+    from specserve.model.quantize import Quantization
     from specserve.serving.build import served_methods
     from specserve.serving.settings import from_args
     from specserve.serving.text_classifier import GateError, parse_text_types
@@ -144,8 +146,10 @@ def serve_settings(args: argparse.Namespace) -> tuple["DeploymentSettings", list
         device = resolve_device(args.device)
     except ValueError as e:
         raise CliError(f"--device: {e}") from None
-    check_quantization_flags(target, args.quantize, args.quantize_group_size, device.type, args.dtype)
-    check_tensor_parallel_flag(target, args.tensor_parallel, device, args.quantize)
+    check_quantization_flags(target, args.quantize, args.quantize_group_size, device.type, args.dtype,
+                             args.quantize_head)
+    check_tensor_parallel_flag(target, args.tensor_parallel, device,
+                               Quantization(args.quantize, args.quantize_group_size, args.quantize_head).label())
     found = dict(max_model_len=max_len, drafters=drafters)
     default = from_args(args, **found).method_by_default()
     if default not in methods:

@@ -3,10 +3,12 @@
 Which layers: every decoder layer's projections (the fused q/k/v, o, the fused gate/up, down)
 become quantized linears (quantized_linear.py). Kept in --dtype:
   * the embedding: a lookup reads one row per token, so its bytes per step are tiny;
-  * the LM head: it is the target's own, and the drafters read it as a dense tensor (EAGLE's,
-    DFlash's and the MTP heads' logits are target.lm_head.weight @ h); on tied checkpoints
-    (SmolLM2) it is the embedding itself. docs/quantize/README.md measures what quantizing it
-    too would give.
+  * the LM head, unless `head` is int8: it is the target's own, and the drafters read it as a
+    dense tensor (EAGLE's, DFlash's and the MTP heads' logits are target.lm_head.weight @ h); on
+    tied checkpoints (SmolLM2) it is the embedding itself. With head int8 (`--quantize-head int8`)
+    the target's logits come from an int8 copy (Int8Head) and `.weight` stays the dense tensor
+    for the embedding and the drafters: on SmolLM2 the head is 49 152 x 576, the largest single
+    read of a quantized step (docs/quantize/README.md measures its cost in perplexity and speed).
   * norms, RoPE, the KV cache: unchanged.
 
 Activations run in --dtype (float32 or bfloat16; the scales are stored in it too). The CPU
@@ -32,6 +34,8 @@ if TYPE_CHECKING:
     from specserve.model.transformer import ModelConfig, Transformer
 
 QUANTIZE_MODES = ("none", "int8", "int4")
+# The LM head's: int8 only, because int4 costs +6 % chat perplexity on SmolLM2 (docs/quantize).
+HEAD_MODES = ("none", "int8")
 # The int4 group sizes both int4 kernels take (_weight_int4pack_mm_for_cpu checks for these).
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_GROUP_SIZE = 32
@@ -47,6 +51,13 @@ class QuantizeError(ValueError):
 class Quantization:
     mode: str = "none"                     # one of QUANTIZE_MODES
     group_size: int = DEFAULT_GROUP_SIZE   # int4 only: input features per scale and zero
+    head: str = "none"                     # the LM head: one of HEAD_MODES
+
+    def label(self) -> str:
+        """"none", or what is quantized: "int4 group 32", "int8", "int8 head", "int4 group 32 + int8 head"."""
+        body = [] if self.mode == "none" else [self.mode + (f" group {self.group_size}" if self.mode == "int4" else "")]
+        head = [] if self.head == "none" else [f"{self.head} head"]
+        return " + ".join(body + head) or "none"
 
 
 def kept_quantization(folder: str | Path) -> Quantization | None:
@@ -67,7 +78,7 @@ def served_quantization(asked: Quantization, kept: Quantization | None, folder: 
     if asked.mode != "none":
         raise QuantizeError(f"{folder} holds int4 group {kept.group_size} weights kept from a GGUF file "
                             f"(quantization_config.json): it is served as it is, without --quantize {asked.mode}")
-    return kept
+    return Quantization(kept.mode, kept.group_size, asked.head)   # the head is dense in a kept folder
 
 
 def linear_shapes(cfg: "ModelConfig") -> dict[str, tuple[int, int]]:
@@ -82,6 +93,8 @@ def check_quantization(q: Quantization, cfg: "ModelConfig", device_type: str, dt
     activation dtype ("float32" or "bfloat16"); the message says what would."""
     if q.mode not in QUANTIZE_MODES:
         raise QuantizeError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {q.mode!r}")
+    if q.head not in HEAD_MODES:
+        raise QuantizeError(f"quantize head must be one of {', '.join(HEAD_MODES)}, got {q.head!r}")
     if q.mode != "int4":
         return
     if q.group_size not in INT4_GROUP_SIZES:
@@ -103,13 +116,16 @@ def check_quantization(q: Quantization, cfg: "ModelConfig", device_type: str, dt
 
 
 def quantize_target(model: "Transformer", q: Quantization) -> "Transformer":
-    """Replace `model`'s decoder projections by quantized linears in place (checked first);
-    returns it. Mode none leaves it as it is."""
+    """Replace `model`'s decoder projections (q.mode) and LM head (q.head) by quantized ones in
+    place (checked first); returns it. Mode and head none leave it as it is. On a folder whose
+    projections are kept quantized, q.mode is none and only the head is quantized here."""
     check_quantization(q, model.cfg, model.device.type, str(model.dtype).removeprefix("torch."))
+    from specserve.model.quantized_linear import Int4Linear, Int8Head, Int8Linear
+
+    if q.head == "int8":
+        model.lm_head = Int8Head(model.lm_head)
     if q.mode == "none":
         return model
-    from specserve.model.quantized_linear import Int4Linear, Int8Linear
-
     for layer in model.layers:
         for name in linear_shapes(model.cfg):
             parent_name, attr = name.split(".")

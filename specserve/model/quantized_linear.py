@@ -66,6 +66,24 @@ class Int8Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
+class Int8Head(nn.Module):
+    """The target's LM head computed from its own int8 copy (Int8Linear, one scale per vocabulary
+    row), while `weight` stays the dense parameter it was: on a tied checkpoint that is the
+    embedding, and the EAGLE / DFlash / MTP drafters read target.lm_head.weight as a dense tensor.
+    Costs V·K bytes more memory (28 MB on SmolLM2) and reads them instead of the dense V·K·2 or ·4
+    each step. reads_dense_weight tells bytes-per-step accounting (cli/bench/bandwidth.py)."""
+
+    reads_dense_weight = False
+
+    def __init__(self, head: nn.Linear):
+        super().__init__()
+        self.weight = head.weight            # shared with the embedding when tied; not read here
+        self.quantized = Int8Linear(head)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quantized(x)             # [..., V]
+
+
 class Int4Linear(nn.Module):
     """From integers and scales already on the int4 grid: q int32 [N, K] in 0..15,
     scales_and_zeros [K/G, N, 2] in the activation dtype (w = (q - 8) · s + z), on the device the

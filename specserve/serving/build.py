@@ -180,7 +180,7 @@ def build_engine(settings: DeploymentSettings, remote: "RemoteCalls | None" = No
     cfg = load_config(settings.checkpoint)
     served = served_quantization(settings.quantization(), kept_quantization(settings.checkpoint), settings.checkpoint)
     check_quantization(served, cfg, device.type, settings.dtype)
-    check_tensor_parallel(cfg, settings.tensor_parallel, device, served.mode)
+    check_tensor_parallel(cfg, settings.tensor_parallel, device, served.label())
     dtype = getattr(torch, settings.dtype)
     if settings.tensor_parallel > 1:
         from specserve.model.tp_processes import start_tensor_parallel

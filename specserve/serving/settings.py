@@ -28,7 +28,7 @@ from specserve.core.draft_policy import POLICIES
 from specserve.core.config import EngineConfig
 from specserve.methods import registry
 from specserve.model.devices import DRAFTER_DTYPES, DTYPES
-from specserve.model.quantize import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, QUANTIZE_MODES, Quantization
+from specserve.model.quantize import DEFAULT_GROUP_SIZE, HEAD_MODES, INT4_GROUP_SIZES, QUANTIZE_MODES, Quantization
 from specserve.serving.auth import new_key
 from specserve.serving.text_classifier import DEFAULT_DFLASH_TYPES, TEXT_TYPES
 from specserve.serving.tiers import Tier
@@ -141,6 +141,13 @@ class DeploymentSettings:
         DEFAULT_GROUP_SIZE, param=INT, metavar="G",
         help=f"int4's group size: input features per scale and zero, one of "
              f"{', '.join(map(str, INT4_GROUP_SIZES))} that divides every layer's input features")
+    # The LM head apart from the projections: the largest single read of a quantized step on a
+    # small model (SmolLM2: 49 152 x 576), and the drafters keep reading its dense weight.
+    quantize_head: str = setting(
+        "none", param=STR, choices=HEAD_MODES,
+        help="int8: the target's logits from an int8 copy of its LM head (one scale per vocabulary row; "
+             "the embedding and the drafters keep the dense weight); works with or without --quantize, "
+             "and on a folder kept quantized by import-gguf")
     # Never affects the output, which the target verifies. Remote drafters run their exported
     # fp32 ONNX models.
     drafter_dtype: str = setting(
@@ -224,7 +231,7 @@ class DeploymentSettings:
         return replace(self, max_model_len=self.model_len(), default_method=self.method_by_default())
 
     def quantization(self) -> Quantization:
-        return Quantization(self.quantize, self.quantize_group_size)
+        return Quantization(self.quantize, self.quantize_group_size, self.quantize_head)
 
     def engine_config(self) -> EngineConfig:
         """The core's EngineConfig for this deployment."""

@@ -41,17 +41,19 @@ def copy_bandwidth(array_bytes: int = 256 << 20, repeats: int = 10) -> Bandwidth
 
 def weight_bytes(model) -> int:
     """Bytes of the weights a decode step reads: every parameter and buffer but the embedding
-    table (a step reads one row of it) and RoPE's tables; a tied head counted once."""
-    seen, total = set(), 0
+    table (a step reads one row of it), RoPE's tables and a quantized head's dense weight (it
+    reads its int8 copy, model/quantized_linear.Int8Head); a tied head counted once."""
     tensors = list(model.named_parameters()) + list(model.named_buffers())
-    embed = model.embed_tokens.weight
-    head_is_embed = getattr(model.lm_head, "weight", None) is embed
+    embed, head = model.embed_tokens.weight, model.lm_head
+    head_weight = getattr(head, "weight", None)
+    unread = set() if head_weight is embed else {id(embed)}
+    if not getattr(head, "reads_dense_weight", True):
+        unread.add(id(head_weight))
+    seen, total = set(), 0
     for name, t in tensors:
-        if id(t) in seen or name.startswith("rotary"):
+        if id(t) in seen or id(t) in unread or name.startswith("rotary"):
             continue
         seen.add(id(t))
-        if t is embed and not head_is_embed:
-            continue
         total += t.numel() * t.element_size()
     return total
 
