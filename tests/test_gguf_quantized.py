@@ -228,7 +228,7 @@ def test_a_kept_folder_is_refused_for_tensor_parallelism(kept):
     _, out, _ = kept
     with pytest.raises(ValueError) as e:
         build_engine(DeploymentSettings(out, device="cpu", tensor_parallel=2, draft_policy="fixed"))
-    assert str(e.value) == "tensor_parallel=2 with quantize=int4 is not supported yet: serve the sharded target unquantized"
+    assert str(e.value) == "tensor_parallel=2 with quantize=int4 group 32 is not supported yet: serve the sharded target unquantized"
     with pytest.raises(CheckpointError) as e:
         load_model(out, shard=Shard(0, 2))
     assert str(e.value) == (f"{out}: kept int4 projections cannot be sharded for tensor parallelism yet; "

@@ -115,6 +115,26 @@ def test_quantize_target_replaces_the_decoder_projections_only(tiny, mode):
     assert model.score(tokens).shape == (1, 4, model.cfg.vocab_size)
 
 
+def test_an_int8_head_gives_the_logits_and_keeps_the_dense_weight(tiny):
+    """--quantize-head int8: the target's logits are the int8 copy's; `.weight` is still the
+    (tied) embedding the drafters read; the projections are left to --quantize."""
+    from specserve.cli.bench.bandwidth import weight_bytes
+    from specserve.model.quantized_linear import Int8Head
+
+    dense = load_model(tiny)
+    model = quantize_target(load_model(tiny), Quantization("none", 32, "int8"))
+    assert isinstance(model.lm_head, Int8Head) and model.lm_head.weight is model.embed_tokens.weight
+    assert isinstance(model.layers[0].mlp.down_proj, nn.Linear)
+    h = torch.randn(3, model.cfg.hidden_size)
+    expect = torch.ops.aten._weight_int8pack_mm(h, *int8_weights(dense.lm_head.weight))
+    assert torch.equal(model.lm_head(h), expect)
+    V, D = model.cfg.vocab_size, model.cfg.hidden_size
+    # the step reads the int8 copy (V·D bytes) and its fp32 scales instead of the dense V·D·4
+    assert weight_bytes(dense) - weight_bytes(model) == V * D * 4 - (V * D + V * 4)
+    assert Quantization("int4", 32, "int8").label() == "int4 group 32 + int8 head"
+    assert Quantization("none", 32, "int8").label() == "int8 head" and Quantization().label() == "none"
+
+
 def test_quantize_none_leaves_the_model_alone(tiny):
     model = load_model(tiny)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -126,6 +146,7 @@ def test_bad_quantization_is_refused_with_a_clear_message(tiny):
     cfg = load_config(tiny)   # hidden 64, intermediate 128
     cases = {
         Quantization("int3"): "quantize must be one of none, int8, int4, got 'int3'",
+        Quantization("int8", 32, "int4"): "quantize head must be one of none, int8, got 'int4'",
         Quantization("int4", 16): "int4 group size must be one of 32, 64, 128, 256 (the int4 kernels' sizes), got 16",
         Quantization("int4", 128): "int4 group size 128 does not divide self_attn.qkv_proj's 64 input features; "
                                    "sizes that divide every layer's: 32, 64",
@@ -167,15 +188,17 @@ def test_serve_refuses_a_bad_group_size_before_starting(tmp_path, capsys):
 
 # -- lossless relative to the quantized target: the demo deployment, every method ------------
 
-@pytest.fixture(scope="module", params=["int8", "int4"])
+@pytest.fixture(scope="module", params=[("int8", "none"), ("int4", "none"), ("int4", "int8")],
+                ids=["int8", "int4", "int4+head8"])
 def quantized_demo(request):
-    """The demo deployment with a quantized target, every method fused."""
+    """The demo deployment with a quantized target (and, in one, an int8 LM head), every method fused."""
     from specserve.serving.build import build_engine
     from specserve.serving.settings import DeploymentSettings
 
     engine, tok = build_engine(DeploymentSettings(DEMO / "target", max_num_seqs=len(METHODS), max_model_len=256,
                                                    drafters=DRAFTERS, device="cpu", draft_policy="fixed",
-                                                   default_method="none", quantize=request.param))
+                                                   default_method="none", quantize=request.param[0],
+                                                   quantize_head=request.param[1]))
     greedy = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     ids = tok.encode(PROMPT).ids
     plain = engine.generate([GenerationRequest("none", ids, greedy, method="none")])["none"].new_token_ids
