@@ -10,7 +10,6 @@ drafters, … as they are built).
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 import signal
 import socket
 import sys
@@ -115,11 +114,10 @@ def _load_tiers(path: Path | None, methods: list[str], max_draft_len: int, max_l
 
 def _quantized(settings: "DeploymentSettings") -> str:
     """The startup line's word on the target's weights ("" when they are not quantized)."""
-    from specserve.model.quantize import kept_quantization
+    from specserve.model.quantize import kept_quantization, served_quantization
 
-    kept = kept_quantization(settings.checkpoint)
-    asked = settings.quantization()
-    q = replace(kept, head=asked.head) if kept else asked   # serve_settings refused both at once
+    kept = kept_quantization(settings.checkpoint)   # serve_settings refused --quantize on a kept folder
+    q = served_quantization(settings.quantization(), kept, settings.checkpoint)
     if q.label() == "none":
         return ""
     return f" activations, {q.label()} weights" + (" (kept from the GGUF file)" if kept else "")
