@@ -12,9 +12,9 @@ Rows (a row is one system at one temperature and concurrency):
                          every registered method on fp32. A method whose drafter this target lacks
                          (--drafter METHOD=DIR) is reported as skipped, never run on a random one.
                          Pass 2 (issue 26): `none` and the best speculative method of pass 1
-                         (fastest at c = 1, greedy) on bf16, int8, int4 (--quantize) and the kept
-                         Q4_1 target (--kept-q4, from `specserve import-gguf --keep-quantized`),
-                         alternated with each other; the peers are not rerun there (set pass 2's
+                         (fastest at c = 1, greedy) on bf16, int8, int4 (--quantize), the kept
+                         Q4_1 target (--kept-q4, from `specserve import-gguf --keep-quantized`)
+                         and the *_head8 rows (--quantize-head int8), alternated with each other; the peers are not rerun there (set pass 2's
                          rows beside pass 1's llama.cpp rows knowing that).
     hf_generate, hf_prompt_lookup, hf_assisted
                          transformers generate on the same folder (fp32): plain, prompt lookup (set
@@ -89,6 +89,7 @@ class TargetConfig:
     dtype: str
     quantize: str = "none"
     kept: bool = False          # the folder holds kept Q4_1 weights (served as they are)
+    head: str = "none"          # --quantize-head: the LM head's quantization (its matmul is a fifth of a step)
 
     @property
     def exact(self) -> bool:
@@ -101,7 +102,8 @@ class TargetConfig:
 CONFIGS = (TargetConfig("fp32", "float32"), TargetConfig("bf16", "bfloat16"),
            TargetConfig("int8", "float32", "int8"), TargetConfig("int4", "float32", "int4"),
            TargetConfig("int8_bf16", "bfloat16", "int8"), TargetConfig("int4_bf16", "bfloat16", "int4"),
-           TargetConfig("q4_1", "float32", kept=True))
+           TargetConfig("int4_bf16_head8", "bfloat16", "int4", head="int8"),
+           TargetConfig("q4_1", "float32", kept=True), TargetConfig("q4_1_bf16_head8", "bfloat16", kept=True, head="int8"))
 
 
 # -- the systems ---------------------------------------------------------------------------------
@@ -268,6 +270,8 @@ def serve_flags(cfg: TargetConfig, drafters: dict[str, Path], args) -> tuple[str
     flags = ["--dtype", cfg.dtype, "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", str(args.max_model_len)]
     if cfg.quantize != "none":
         flags += ["--quantize", cfg.quantize, "--quantize-group-size", str(args.group_size)]
+    if cfg.head != "none":
+        flags += ["--quantize-head", cfg.head]
     if not drafters:
         return (*flags, "--no-drafters")
     return (*flags, *(a for m, d in drafters.items() for a in ("--drafter", f"{m}={d}")))
@@ -295,8 +299,8 @@ def config_bytes(folder: Path, cfg: TargetConfig, group_size: int) -> int:
     from specserve.model.transformer import load_model
 
     model = load_model(folder, dtype=getattr(torch, cfg.dtype))
-    if cfg.quantize != "none":
-        quantize_target(model, Quantization(cfg.quantize, group_size))
+    if cfg.quantize != "none" or cfg.head != "none":
+        quantize_target(model, Quantization(cfg.quantize, group_size, cfg.head))
     return weight_bytes(model)
 
 
@@ -467,9 +471,9 @@ def _run(args, log) -> dict:
     skipped: dict[str, str] = {}
     for name in [c.name for c in CONFIGS if c.name not in args.configs]:
         skipped[f"{name} none"] = "left out by --configs"
-    if "q4_1" in args.configs and args.kept_q4 is None:
-        skipped["q4_1 none"] = "no kept Q4_1 target given (--kept-q4 DIR, made by `specserve import-gguf --keep-quantized`)"
-        del folders["q4_1"]
+    for name in [n for n in folders if configs[n].kept and args.kept_q4 is None]:
+        skipped[f"{name} none"] = "no kept Q4_1 target given (--kept-q4 DIR, made by `specserve import-gguf --keep-quantized`)"
+        del folders[name]
     bytes_per_step = {name: config_bytes(folder, configs[name], args.group_size) for name, folder in folders.items()}
     target = load_model(args.target)
     memory = draft_memory(target, DeploymentSettings(args.target, max_model_len=args.max_model_len,

