@@ -28,6 +28,7 @@ from specserve.core.draft_policy import POLICIES
 from specserve.core.config import EngineConfig
 from specserve.methods import registry
 from specserve.model.devices import DRAFTER_DTYPES, DTYPES
+from specserve.model.invariant_attention import ATTENTION_MODES
 from specserve.model.quantize import DEFAULT_GROUP_SIZE, HEAD_MODES, INT4_GROUP_SIZES, QUANTIZE_MODES, Quantization
 from specserve.serving.auth import new_key
 from specserve.serving.text_classifier import DEFAULT_DFLASH_TYPES, TEXT_TYPES
@@ -148,6 +149,16 @@ class DeploymentSettings:
         help="int8: the target's logits from an int8 copy of its LM head (one scale per vocabulary row; "
              "the embedding and the drafters keep the dense weight); works with or without --quantize, "
              "and on a folder kept quantized by import-gguf")
+    # SDPA rounds a query by the shape of its call, so a bf16 verify parts from plain decoding at
+    # near-ties; per-query attention (model/invariant_attention.py) makes every verify row the
+    # same bits as that token's decode step, where the linears are row-invariant (quantized
+    # kernels, bf16), at one attention call per query.
+    attention: str = setting(
+        "batched", param=STR, choices=ATTENTION_MODES,
+        help="batched: one SDPA call per forward (fastest); per-query: one call per query over exactly "
+             "the entries it sees, so a verify row rounds as its decode step would and greedy output "
+             "with --dtype bfloat16 and --quantize int8|int4 (with --quantize-head int8) equals plain "
+             "decoding token for token (CPU, one process)")
     # Never affects the output, which the target verifies. Remote drafters run their exported
     # fp32 ONNX models.
     drafter_dtype: str = setting(
