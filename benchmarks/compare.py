@@ -14,7 +14,8 @@ Rows (a row is one system at one temperature and concurrency):
                          Pass 2 (issue 26): `none` and the best speculative method of pass 1
                          (fastest at c = 1, greedy) on bf16, int8, int4 (--quantize), the kept
                          Q4_1 target (--kept-q4, from `specserve import-gguf --keep-quantized`)
-                         and the *_head8 rows (--quantize-head int8), alternated with each other; the peers are not rerun there (set pass 2's
+                         the *_head8 rows (--quantize-head int8) and *_pq (--attention per-query),
+                         alternated with each other; the peers are not rerun there (set pass 2's
                          rows beside pass 1's llama.cpp rows knowing that).
     hf_generate, hf_prompt_lookup, hf_assisted
                          transformers generate on the same folder (fp32): plain, prompt lookup (set
@@ -90,11 +91,13 @@ class TargetConfig:
     quantize: str = "none"
     kept: bool = False          # the folder holds kept Q4_1 weights (served as they are)
     head: str = "none"          # --quantize-head: the LM head's quantization (its matmul is a fifth of a step)
+    attention: str = "batched"  # --attention per-query: bf16 verify rows get their decode steps' bits
 
     @property
     def exact(self) -> bool:
-        """fp32 activations: greedy speculative output must equal greedy plain output exactly."""
-        return self.dtype == "float32"
+        """fp32 activations, or per-query attention: greedy speculative output must equal greedy
+        plain output exactly."""
+        return self.dtype == "float32" or self.attention == "per-query"
 
 
 # The quantized kernels are fast with bf16 activations and slow with fp32 ones on CPUs
@@ -103,6 +106,7 @@ CONFIGS = (TargetConfig("fp32", "float32"), TargetConfig("bf16", "bfloat16"),
            TargetConfig("int8", "float32", "int8"), TargetConfig("int4", "float32", "int4"),
            TargetConfig("int8_bf16", "bfloat16", "int8"), TargetConfig("int4_bf16", "bfloat16", "int4"),
            TargetConfig("int4_bf16_head8", "bfloat16", "int4", head="int8"),
+           TargetConfig("int4_bf16_head8_pq", "bfloat16", "int4", head="int8", attention="per-query"),
            TargetConfig("q4_1", "float32", kept=True), TargetConfig("q4_1_bf16_head8", "bfloat16", kept=True, head="int8"))
 
 
@@ -272,6 +276,8 @@ def serve_flags(cfg: TargetConfig, drafters: dict[str, Path], args) -> tuple[str
         flags += ["--quantize", cfg.quantize, "--quantize-group-size", str(args.group_size)]
     if cfg.head != "none":
         flags += ["--quantize-head", cfg.head]
+    if cfg.attention != "batched":
+        flags += ["--attention", cfg.attention]
     if not drafters:
         return (*flags, "--no-drafters")
     return (*flags, *(a for m, d in drafters.items() for a in ("--drafter", f"{m}={d}")))

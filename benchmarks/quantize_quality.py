@@ -1,7 +1,7 @@
 """What weight-only quantization costs and buys on SmolLM2 (issue 26): quality measured, not assumed.
 
     python benchmarks/quantize_quality.py [--target models/smollm2/target] [--prompts 8] [--new-tokens 64]
-        [--texts 8] [--speed-tokens 64] [--rounds 3] [--threads 2] [--group-size 32] [--out F.json]
+        [--texts 8] [--speed-tokens 64] [--rounds 3] [--threads 2] [--group-size 32] [--configs A,B] [--out F.json]
 
 In process, one engine per configuration (`specserve serve`'s own build_engine), greedy, c = 1
 for speed:
@@ -150,7 +150,12 @@ def run(args, log=print) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    cfgs = configs(args.group_size)
+    every = configs(args.group_size)
+    names = ["fp32", *(n for n in args.configs.split(",") if n and n != "fp32")] if args.configs else [c.name for c in every]
+    unknown = set(names) - {c.name for c in every}
+    if unknown:
+        raise SystemExit(f"--configs: unknown {', '.join(sorted(unknown))} (known: {', '.join(c.name for c in every)})")
+    cfgs = [c for c in every if c.name in names]
     built = {}
     for c in cfgs:
         t0 = time.perf_counter()
@@ -185,7 +190,7 @@ def run(args, log=print) -> dict:
         "target": str(args.target.relative_to(ROOT) if args.target.is_relative_to(ROOT) else args.target),
         "machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__,
                     "note": "measured on a shared, loaded machine: speeds are indicative only"},
-        "settings": {"prompts": args.prompts, "new_tokens": args.new_tokens, "texts": args.texts,
+        "settings": {"configs": [c.name for c in cfgs], "prompts": args.prompts, "new_tokens": args.new_tokens, "texts": args.texts,
                      "speed_tokens": args.speed_tokens, "rounds": args.rounds, "group_size": args.group_size},
         "quality": quality,
         "decode_tok_s_c1": {k: {"median": round(statistics.median(v), 2), "all": [round(x, 2) for x in v],
@@ -203,6 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--group-size", type=int, default=32)
+    ap.add_argument("--configs", default="", help="comma-separated configurations (fp32 always; default: all)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     args.target = args.target.resolve()

