@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import make_tiny_checkpoint
-from specserve.model.invariant_attention import (check_attention, per_query_attention, query_keys,
+from specserve.model.invariant_attention import (check_attention, per_query_attention, query_plan,
                                                  require_row_invariance, row_variant_modules)
 from specserve.model.transformer import load_model
 
@@ -36,27 +36,49 @@ def qkv(seed: int, B: int, T: int, S: int, dtype: torch.dtype, H: int = 4, Hkv: 
     return tuple(torch.randn(B, h, n, hd, generator=g).to(dtype) for h, n in ((H, T), (Hkv, S), (Hkv, S)))
 
 
-def test_query_keys_are_ranges_for_chains_and_gathered_entries_for_tree_nodes():
-    chain = chain_mask(3, 2, 8)
-    assert query_keys(chain) == (((0, 4), (0, 5)),)
-    # Tree: context 0..2, nodes at 3 (root child), 4 (sibling of 3), 5 (child of 4).
-    tree = torch.zeros(1, 3, 8, dtype=torch.bool)
+def chain_positions(context: int, width: int, rows: int = 1) -> torch.Tensor:
+    return (context + torch.arange(width))[None].expand(rows, width)
+
+
+def calls(plan):
+    return [(c.row, c.queries, c.slots, c.span, None if c.gather is None else (c.gather.tolist(), c.offset))
+            for c in plan.calls]
+
+
+def test_query_plan_puts_each_position_at_its_row_of_its_block():
+    # Two rows of a chain verify, positions 3 and 4: block 0, rows 3 and 4, over 16 entries.
+    plan = query_plan(chain_mask(3, 2, 8).expand(2, 2, 8), chain_positions(3, 2, rows=2))
+    assert calls(plan) == [(0, [0, 1], [3, 4], 16, None), (1, [0, 1], [3, 4], 16, None)]
+    assert plan.read_span == 16
+    # Positions 14 .. 17 cross a block: two calls, the second over 32 entries.
+    plan = query_plan(chain_mask(14, 4, 18), chain_positions(14, 4))
+    assert calls(plan) == [(0, [0, 1], [14, 15], 16, None), (0, [2, 3], [0, 1], 32, None)]
+    assert plan.read_span == 32
+    second = plan.calls[1].mask[0, 0] == 0                                     # [16, 32]: kept entries
+    assert second.shape == (16, 32)
+    assert second[0].nonzero().squeeze(1).tolist() == list(range(17))         # position 16: entries 0 .. 16
+    assert second[1].nonzero().squeeze(1).tolist() == list(range(18))         # position 17
+    assert [row.nonzero().squeeze(1).tolist() for row in second[2:]] == [[0]] * 14   # idle rows
+    # A tree: context 0..2, nodes at 3 (position 3), 4 (its sibling, position 3), 5 (child of 4,
+    # position 4), and a sliding-window query at 5 seeing 2 .. 5: the sibling and the child are
+    # copied to their chain offsets, the others read the row as it is.
+    tree = torch.zeros(1, 4, 8, dtype=torch.bool)
     tree[0, 0, [0, 1, 2, 3]] = True
     tree[0, 1, [0, 1, 2, 4]] = True
     tree[0, 2, [0, 1, 2, 4, 5]] = True
-    (first, second, third), = query_keys(tree)
-    assert first == (0, 4)
-    assert second.tolist() == [0, 1, 2, 4] and third.tolist() == [0, 1, 2, 4, 5]
-    window = torch.zeros(1, 1, 8, dtype=torch.bool)
-    window[0, 0, 2:6] = True                                   # a sliding window: still a range
-    assert query_keys(window) == (((2, 6),),)
+    tree[0, 3, 2:6] = True
+    plan = query_plan(tree, torch.tensor([[3, 3, 4, 5]]))
+    assert calls(plan) == [(0, [1], [3], 16, ([0, 1, 2, 4], 0)), (0, [2], [4], 16, ([0, 1, 2, 4, 5], 0)),
+                           (0, [0, 3], [3, 5], 16, None)]
+    assert (plan.calls[2].mask[0, 0, 5] == 0).nonzero().squeeze(1).tolist() == [2, 3, 4, 5]
+    assert plan.calls[2].mask.dtype == torch.float32 and plan.calls[2].mask[0, 0, 5, 0] == float("-inf")
 
 
 def test_per_query_attention_is_sdpas_attention():
     q, k, v = qkv(0, 2, 5, 20, torch.float32)
     mask = chain_mask(10, 5, 20).expand(2, 5, 20)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
-    got = per_query_attention(q, k, v, query_keys(mask), enable_gqa=True)
+    got = per_query_attention(q, k, v, query_plan(mask, chain_positions(10, 5, rows=2)))
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
@@ -67,12 +89,12 @@ def test_a_verify_row_is_the_bits_of_its_decode_call(dtype):
     context, T, S = 30, 5, 64
     q, k, v = qkv(1, 2, T, S, dtype)
     mask = chain_mask(context, T, S).expand(2, T, S)
-    verify = per_query_attention(q, k, v, query_keys(mask), enable_gqa=True)        # [2, H, T, hd]
+    verify = per_query_attention(q, k, v, query_plan(mask, chain_positions(context, T, rows=2)))        # [2, H, T, hd]
     for b in range(2):
         for t in range(T):
             n = context + t + 1
             decode = per_query_attention(q[b:b + 1, :, t:t + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n],
-                                         query_keys(chain_mask(context + t, 1, n)), enable_gqa=True)
+                                         query_plan(chain_mask(context + t, 1, n), chain_positions(context + t, 1)))
             assert torch.equal(verify[b:b + 1, :, t:t + 1], decode), (b, t)
 
 
@@ -83,9 +105,9 @@ def test_a_tree_node_reads_its_gathered_entries_as_a_chain_would():
     seen = [0, 1, 2, 3, 5, 6]
     tree = torch.zeros(1, 1, 8, dtype=torch.bool)
     tree[0, 0, seen] = True
-    node = per_query_attention(q, k, v, query_keys(tree), enable_gqa=True)
+    node = per_query_attention(q, k, v, query_plan(tree, torch.tensor([[5]])))
     chain_k, chain_v = k[:, :, seen], v[:, :, seen]
-    chain = per_query_attention(q, chain_k, chain_v, query_keys(chain_mask(5, 1, 6)), enable_gqa=True)
+    chain = per_query_attention(q, chain_k, chain_v, query_plan(chain_mask(5, 1, 6), chain_positions(5, 1)))
     assert torch.equal(node, chain)
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.core.forward import CacheIO, ForwardBatch, ForwardOutput
-from specserve.model.invariant_attention import PER_QUERY_MAX_QUERIES, QueryKeys, per_query_attention, query_keys
+from specserve.model.invariant_attention import PER_QUERY_MAX_QUERIES, QueryPlan, per_query_attention, query_plan
 from specserve.core.kv_cache import KVCache
 from specserve.model.q4_checkpoint import (KEPT_KINDS, Q4_GROUP_SIZE, KeptRecordError, Q4Weights, int4_linear,
                                            is_kept, take_stored)
@@ -124,8 +124,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(H * hd, D, bias=False)  # row-parallel when sharded (no bias to split)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                cache: CacheIO | None, keys: QueryKeys | None = None) -> torch.Tensor:
-        """keys: per-query attention (invariant_attention.py) over these entries; None: batched SDPA."""
+                cache: CacheIO | None, plan: QueryPlan | None = None) -> torch.Tensor:
+        """plan: per-query attention's calls (invariant_attention.py); None: batched SDPA."""
         B, T, _ = x.shape
         H, Hkv, hd = self.heads, self.kv_heads, self.cfg.head_dim
         qkv = self.qkv_proj(x)  # [B, T, (H + 2 Hkv) hd]
@@ -135,25 +135,26 @@ class Attention(nn.Module):
         v = v.view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
-            out = self._attend(q, k, v, batch.mask, keys)
+            out = self._attend(q, k, v, batch.mask, plan)
         else:
             cache.write(self.layer, batch.slots, batch.starts, k, v)
-            S = batch.mask.shape[-1]
+            # per-query: the span its calls lay out (each a power of two past its block's end)
+            S = plan.read_span if plan is not None else batch.mask.shape[-1]
             # One read per run of consecutive slots: each is a view of the pool, where one read of
             # scattered slots would copy [B, Hkv, S, hd] per layer (ForwardBatch.slot_runs).
             runs = batch.slot_runs or ((0, B),)
             out = torch.cat([self._attend(q[a:b], *cache.read(self.layer, batch.slots[a:b], S), batch.mask[a:b],
-                                          keys and keys[a:b]) for a, b in runs]) if len(runs) > 1 else \
-                self._attend(q, *cache.read(self.layer, batch.slots, S), batch.mask, keys)   # k, v [B, Hkv, S, hd]
+                                          plan and plan.rows(a, b)) for a, b in runs]) if len(runs) > 1 else \
+                self._attend(q, *cache.read(self.layer, batch.slots, S), batch.mask, plan)   # k, v [B, Hkv, S, hd]
         # [B, T, D]: this rank's heads' share of o_proj, summed over the ranks
         return self.shard.all_reduce(self.o_proj(out.transpose(1, 2).reshape(B, T, H * hd)))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                keys: QueryKeys | None) -> torch.Tensor:
+                plan: QueryPlan | None) -> torch.Tensor:
         """q [B, H, T, hd], k, v [B, Hkv, S, hd], mask [B, T, S] → [B, H, T, hd]."""
         gqa = self.kv_heads != self.heads
-        if keys is not None:
-            return per_query_attention(q, k, v, keys, enable_gqa=gqa)
+        if plan is not None:
+            return per_query_attention(q, k, v, plan)
         if gqa and self.expand_kv_heads:
             rep = self.heads // self.kv_heads
             k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
@@ -181,8 +182,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, batch, cache, keys=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache, keys)
+    def forward(self, x, cos, sin, batch, cache, plan=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache, plan)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -224,10 +225,10 @@ class Transformer(nn.Module):
         # Per-query attention (--per-query-attention) for decode and verify widths; a wider
         # forward is a prompt prefill, the same call in a plain and a speculative run.
         per_query = self.per_query_attention and batch.tokens.shape[1] <= PER_QUERY_MAX_QUERIES
-        keys = query_keys(batch.mask) if per_query else None
+        plan = query_plan(batch.mask, batch.positions, self.dtype) if per_query else None
         layer_hidden: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, batch, cache, keys)
+            x = layer(x, cos, sin, batch, cache, plan)
             if i in hidden_layers:
                 layer_hidden[i] = x
         return ForwardOutput(hidden=self.norm(x), layer_hidden=layer_hidden)

@@ -152,11 +152,11 @@ class DeploymentSettings:
     # SDPA rounds a query by the shape of its call, so a bf16 verify parts from plain decoding at
     # near-ties; per-query attention (model/invariant_attention.py) makes every verify row the
     # same bits as that token's decode step, where the linears are row-invariant (quantized
-    # kernels, bf16), at one attention call per query.
+    # kernels, bf16), at a call shape fixed by each query's position.
     attention: str = setting(
         "batched", param=STR, choices=ATTENTION_MODES,
-        help="batched: one SDPA call per forward (fastest); per-query: one call per query over exactly "
-             "the entries it sees, so a verify row rounds as its decode step would and greedy output "
+        help="batched: one SDPA call per forward (fastest); per-query: each query's attention in a call "
+             "shaped by its own position alone, so a verify row rounds as its decode step would and greedy output "
              "with --dtype bfloat16 and --quantize int8|int4 (with --quantize-head int8) equals plain "
              "decoding token for token (CPU, one process)")
     # Never affects the output, which the target verifies. Remote drafters run their exported
