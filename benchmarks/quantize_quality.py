@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -189,7 +190,7 @@ def run(args, log=print) -> dict:
         "command": "python benchmarks/quantize_quality.py " + " ".join(sys.argv[1:]),
         "target": str(args.target.relative_to(ROOT) if args.target.is_relative_to(ROOT) else args.target),
         "machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__,
-                    "note": "measured on a shared, loaded machine: speeds are indicative only"},
+                    "cpu": platform.processor() or platform.machine(), "loadavg_end": list(os.getloadavg())},
         "settings": {"configs": [c.name for c in cfgs], "prompts": args.prompts, "new_tokens": args.new_tokens, "texts": args.texts,
                      "speed_tokens": args.speed_tokens, "rounds": args.rounds, "group_size": args.group_size},
         "quality": quality,
