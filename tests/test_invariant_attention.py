@@ -189,3 +189,21 @@ def test_the_attention_mode_is_checked_with_exact_messages():
     with pytest.raises(ValueError, match=r"^--attention per-query runs in one process: not with --tensor-parallel 2 "
                                          r"\(the ranks' attention is batched\)$"):
         check_attention("per-query", "cpu", 2)
+
+
+def test_serve_refuses_per_query_attention_with_tensor_parallelism_before_starting(tmp_path):
+    from specserve.cli.checks import CliError
+    from specserve.cli.main import build_parser, serve_settings
+    from specserve.model.tiny import make_tiny_llama
+
+    tiny = make_tiny_llama(tmp_path / "tiny")
+    args = build_parser().parse_args(["serve", "--target", str(tiny), "--attention", "per-query",
+                                      "--tensor-parallel", "2", "--device", "cpu", "--no-drafters"])
+    with pytest.raises(CliError) as e:
+        serve_settings(args)
+    assert str(e.value) == ("--attention per-query runs in one process: not with --tensor-parallel 2 "
+                            "(the ranks' attention is batched)")
+    ok = build_parser().parse_args(["serve", "--target", str(tiny), "--attention", "per-query", "--device", "cpu",
+                                    "--no-drafters"])
+    settings, _ = serve_settings(ok)
+    assert settings.attention == "per-query"

@@ -54,6 +54,17 @@ def check_quantization_flags(target: Path, quantize: str, group_size: int, devic
         raise CliError(f"{flag}: {e}") from None
 
 
+def check_attention_flag(mode: str, device_type: str, world: int) -> None:
+    """--attention against the device and --tensor-parallel (the engine checks the same at load,
+    and there also probes the target's row invariance, which needs the weights)."""
+    from specserve.model.invariant_attention import check_attention
+
+    try:
+        check_attention(mode, device_type, world)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
 def check_tensor_parallel_flag(target: Path, world: int, device: "torch.device", quantize: str) -> None:
     """--tensor-parallel against the checkpoint's heads, --quantize and the GPUs there are (the
     engine checks the same at load; here it fails before a server starts)."""

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from specserve.cli.checks import (CliError, check_checkpoint, check_quantization_flags, check_tensor_parallel_flag,
-                                  resolve_drafters)
+from specserve.cli.checks import (CliError, check_attention_flag, check_checkpoint, check_quantization_flags,
+                                  check_tensor_parallel_flag, resolve_drafters)
 from specserve.serving.auth import ADMIN_KEY_ENV, ADMIN_KEY_FILE
 from specserve.methods import registry
 
@@ -146,6 +146,7 @@ def serve_settings(args: argparse.Namespace) -> tuple["DeploymentSettings", list
         raise CliError(f"--device: {e}") from None
     check_quantization_flags(target, args.quantize, args.quantize_group_size, device.type, args.dtype,
                              args.quantize_head)
+    check_attention_flag(args.attention, device.type, args.tensor_parallel)
     check_tensor_parallel_flag(target, args.tensor_parallel, device,
                                Quantization(args.quantize, args.quantize_group_size, args.quantize_head).label())
     found = dict(max_model_len=max_len, drafters=drafters)
