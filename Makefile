@@ -67,7 +67,10 @@ chat-peers: smollm2 peers
 
 # Every method and the peers on SmolLM2 in one run (benchmarks/compare.py): held-out chat + HumanEval
 # prompts, greedy and T = 0.7, c = 1 and 16, fp32 / bf16 / int8 / int4 targets; docs/compare/.
-# About 30 min on 2 quiet cores (estimated, not timed). Drafters: COMPARE_ARGS="--drafter eagle=models/smollm2/eagle ...".
+# Not timed end to end: hours on 2 cores with every configuration (the fp32-activation int8 / int4
+# targets decode at 3-8 tokens/s); a chat-only c = 1 greedy run of 4 configurations and llama.cpp
+# took 8.4 min (docs/quantize/head8_per_query.json). Pick fewer with COMPARE_ARGS="--configs ...";
+# drafters: COMPARE_ARGS="--drafter eagle=models/smollm2/eagle ...".
 COMPARE_ARGS ?=
 compare: smollm2 peers
 	$(PY) benchmarks/compare.py $(COMPARE_ARGS)
