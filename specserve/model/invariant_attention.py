@@ -5,7 +5,7 @@ Why: SDPA's CPU kernels block their work by the call's shape (queries, span, mas
 output in a 1-token decode and in a (K+1)-token verify round differently (one bf16 ulp at layer 3
 of SmolLM2 int4 / bf16 in the case measured), and greedy speculative output then parts from
 plain output at near-ties (5 of 6 chat answers within 96 tokens). PyTorch's weight-only int8 /
-int4 kernels and bf16 linears compute each output row alone (checked up to 128 rows), so with
+int4 kernels and bf16 linears compute each output row alone (probed up to 256 rows), so with
 them attention is the one part of a step whose rounding depends on the batch.
 
 How: every query's attention is one row of an SDPA call whose shape is fixed by the query's own
@@ -17,9 +17,10 @@ a verify row at the same position are the same row of the same-shaped call on th
 the same bits. Masked entries add exp(-inf) = 0 whatever their (finite) values. A query whose
 entries are not the cache row's own at those offsets (a tree node off the first branch, whose
 ancestors sit elsewhere) gets a call of its own over a copy laid out as its chain would be.
-Measured: a 16-row call over 128 entries takes what a 1-row call takes (138 against 158 µs), so
-a decode step costs what batched attention costs. For decode and verify widths, not for prompt
-prefill (Attention uses it up to PER_QUERY_MAX_QUERIES queries a forward).
+Measured on an AMD EPYC: a 16-row call over 128 entries takes what a 1-row call takes (138
+against 158 µs); the copies around it bring a layer to about 80 µs more than batched SDPA, and
+serving to 12-14 % slower at c = 1 (docs/quantize/README.md). For decode and verify widths, not
+for prompt prefill (Attention uses it up to PER_QUERY_MAX_QUERIES queries a forward).
 """
 
 from __future__ import annotations
