@@ -678,6 +678,9 @@ def test_serve_with_the_deployed_flags_uses_explicit_model_control(monkeypatch, 
         for s, handler in saved.items():
             signal.signal(s, handler)
     assert len(commands) == len(deployments)
+    # Each start names the Python backend's shared memory apart from every other server's.
+    prefixes = [a for cmd in commands for a in cmd if a.startswith("--backend-config=python,shm-region-prefix-name=")]
+    assert len(prefixes) == len(commands) and len(set(prefixes)) == len(prefixes), prefixes
 
 
 def _compose_command(profile: str) -> list[str]:

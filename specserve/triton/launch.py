@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -196,6 +197,11 @@ class TritonServer:
                 # A model that fails to load must fail the server, not leave it half-serving.
                 "--exit-on-error=true", "--strict-readiness=true",
                 f"--exit-timeout-secs={self.exit_timeout_s}",
+                # Triton's guidance for several servers on one machine (the tests start several):
+                # each its own prefix for the Python backend's shared-memory regions. A fresh one
+                # per start. (Two full test runs side by side once aborted a server at start with
+                # "boost::interprocess::lock_exception"; whether this prevents that is not shown.)
+                f"--backend-config=python,shm-region-prefix-name=specserve_{os.getpid()}_{secrets.token_hex(4)}_",
                 *restricted_api_args(self.admin_key),
                 f"--log-verbose={self.log_verbose}", *self.extra_args]
 
