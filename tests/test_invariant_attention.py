@@ -53,6 +53,7 @@ def test_query_plan_puts_each_position_at_its_row_of_its_block():
     # Positions 14 .. 17 cross a block: two calls, the second over 32 entries.
     plan = query_plan(chain_mask(14, 4, 18), chain_positions(14, 4))
     assert calls(plan) == [(0, [0, 1], [14, 15], 16, None), (0, [2, 3], [0, 1], 32, None)]
+    assert [c.run for c in plan.calls] == [True, True]
     assert plan.read_span == 32
     second = plan.calls[1].mask[0, 0] == 0                                     # [16, 32]: kept entries
     assert second.shape == (16, 32)
@@ -70,6 +71,8 @@ def test_query_plan_puts_each_position_at_its_row_of_its_block():
     plan = query_plan(tree, torch.tensor([[3, 3, 4, 5]]))
     assert calls(plan) == [(0, [1], [3], 16, ([0, 1, 2, 4], 0)), (0, [2], [4], 16, ([0, 1, 2, 4, 5], 0)),
                            (0, [0, 3], [3, 5], 16, None)]
+    # chains copy by slices; the block holding queries 0 and 3 (slots 3 and 5) by index
+    assert [c.run for c in plan.calls] == [True, True, False]
     assert (plan.calls[2].mask[0, 0, 5] == 0).nonzero().squeeze(1).tolist() == [2, 3, 4, 5]
     assert plan.calls[2].mask.dtype == torch.float32 and plan.calls[2].mask[0, 0, 5, 0] == float("-inf")
 

@@ -57,6 +57,8 @@ class QueryCall:
                                        # dtype, converted once per forward; idle rows keep entry 0
     gather: torch.Tensor | None        # [count] the one query's entries, copied; None: the row's own
     offset: int = 0                    # where the copied entries go: P - count + 1
+    run: bool = True                   # queries and slots both consecutive (a chain): slices, not the
+                                       # slower index copies; worked out here, not once per layer
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,10 @@ class QueryPlan:
     def rows(self, a: int, b: int) -> "QueryPlan":
         """The calls of forward rows a .. b - 1, renumbered from 0 (Attention's runs of slots)."""
         return QueryPlan(tuple(replace(c, row=c.row - a) for c in self.calls if a <= c.row < b), self.read_span)
+
+
+def _consecutive(xs: list[int]) -> bool:
+    return xs == list(range(xs[0], xs[0] + len(xs)))
 
 
 def query_plan(mask: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> QueryPlan:
@@ -93,8 +99,9 @@ def query_plan(mask: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype =
                                                                               mask.device, dtype), seen, P - c + 1))
         for start, ts in blocks.items():
             Ps, span = pos[b, ts], _pow2(start + QUERY_BLOCK)
-            calls.append(QueryCall(b, ts, (Ps % QUERY_BLOCK).tolist(), span,
-                                   _mask(Ps, count[b, ts], span, mask.device, dtype), None))
+            slots = (Ps % QUERY_BLOCK).tolist()
+            calls.append(QueryCall(b, ts, slots, span, _mask(Ps, count[b, ts], span, mask.device, dtype), None,
+                                   run=_consecutive(ts) and _consecutive(slots)))
     return QueryPlan(tuple(calls), max((c.span for c in calls), default=0))
 
 
@@ -109,17 +116,22 @@ def _mask(Ps: np.ndarray, counts: np.ndarray, span: int, device, dtype: torch.dt
     return torch.from_numpy(additive)[None, None].to(device, dtype)
 
 
+def _padded(x: torch.Tensor, span: int) -> torch.Tensor:
+    """x [B, Hkv, S, hd] → [B, Hkv, max(S, span), hd]: zeros past the cache's end (a row shorter
+    than its power-of-two span), once per layer rather than once per call."""
+    if x.shape[2] >= span:
+        return x
+    out = x.new_zeros(x.shape[0], x.shape[1], span, x.shape[3])
+    out[:, :, :x.shape[2]] = x
+    return out
+
+
 def _laid_out(x: torch.Tensor, call: QueryCall) -> torch.Tensor:
-    """x [B, Hkv, S, hd] → [1, Hkv, span, hd], contiguous (one layout wherever the entries came
-    from): the cache row's first `span` entries (zeros past its end), or the gathered ones at
-    their chain offsets, zeros elsewhere."""
+    """x [B, Hkv, S ≥ span, hd] → [1, Hkv, span, hd], contiguous (one layout wherever the entries
+    came from): the cache row's first `span` entries, or the gathered ones at their chain offsets,
+    zeros elsewhere."""
     if call.gather is None:
-        src = x[call.row:call.row + 1, :, :call.span]
-        if src.shape[2] == call.span:
-            return src.contiguous()
-        out = x.new_zeros(1, x.shape[1], call.span, x.shape[3])
-        out[:, :, :src.shape[2]] = src
-        return out
+        return x[call.row:call.row + 1, :, :call.span].contiguous()
     out = x.new_zeros(1, x.shape[1], call.span, x.shape[3])
     out[:, :, call.offset:call.offset + len(call.gather)] = x[call.row:call.row + 1].index_select(2, call.gather)
     return out
@@ -128,19 +140,18 @@ def _laid_out(x: torch.Tensor, call: QueryCall) -> torch.Tensor:
 def per_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: QueryPlan) -> torch.Tensor:
     """q [B, H, T, hd], k, v [B, Hkv, S, hd] (H a multiple of Hkv), plan from query_plan → [B, H, T, hd]."""
     B, H, T, hd = q.shape
+    k, v = _padded(k, plan.read_span), _padded(v, plan.read_span)
     out = torch.empty_like(q)
     for call in plan.calls:
         block = q.new_zeros(1, H, QUERY_BLOCK, hd)
         t0, s0, n = call.queries[0], call.slots[0], len(call.queries)
-        # a chain's queries are consecutive in both: slices, not the (slower) index copies
-        run = call.queries == list(range(t0, t0 + n)) and call.slots == list(range(s0, s0 + n))
-        if run:
+        if call.run:
             block[0, :, s0:s0 + n] = q[call.row, :, t0:t0 + n]
         else:
             block[0][:, call.slots] = q[call.row][:, call.queries]
         res = F.scaled_dot_product_attention(block, _laid_out(k, call), _laid_out(v, call), attn_mask=call.mask,
                                              enable_gqa=k.shape[1] != H)              # [1, H, QUERY_BLOCK, hd]
-        if run:
+        if call.run:
             out[call.row, :, t0:t0 + n] = res[0, :, s0:s0 + n]
         else:
             out[call.row][:, call.queries] = res[0][:, call.slots]
