@@ -196,9 +196,17 @@ QUANTIZED_DEMOS = [("int8", "none", "float32", "batched"), ("int4", "none", "flo
                    ("int8", "int8", "bfloat16", "per-query"), ("none", "none", "bfloat16", "per-query")]
 
 
-@pytest.fixture(scope="module", params=QUANTIZED_DEMOS,
-                ids=["int8", "int4", "int4+head8", "int4+head8/bf16/per-query", "int8+head8/bf16/per-query",
-                     "bf16/per-query"])
+def demo_id(demo: tuple[str, str, str, str]) -> str:
+    """e.g. int4+head8/bf16/per-query: the weights, then what differs from fp32 batched."""
+    quantize, head, dtype, attention = demo
+    weights = [quantize] if quantize != "none" else []
+    weights += [f"head{head.removeprefix('int')}"] if head != "none" else []
+    parts = ["+".join(weights)] + (["bf16"] if dtype == "bfloat16" else [])
+    parts += [attention] if attention != "batched" else []
+    return "/".join(p for p in parts if p)
+
+
+@pytest.fixture(scope="module", params=QUANTIZED_DEMOS, ids=demo_id)
 def quantized_demo(request):
     """The demo deployment with a quantized target (in some an int8 LM head, bf16 activations and
     per-query attention), every method fused. Skipped, with the reason, where this CPU's kernels
