@@ -247,6 +247,7 @@ class TritonServer:
         while time.monotonic() < deadline:
             code = self.process.poll() if self.process else None
             if code is not None:
+                self._kill_group()
                 if self._auto_ports and retries < PORT_RETRIES and self._lost_a_port():
                     retries += 1
                     self.ports = Ports.free()
@@ -282,9 +283,21 @@ class TritonServer:
         tail = self.log_file.read_text(errors="replace").splitlines()[-25:]
         return f"; last lines of {self.log_file}:\n" + "\n".join(tail)
 
+    def _kill_group(self) -> None:
+        """SIGKILL what is left of the server's process group. A server that aborts (a signal, an
+        exception in its backend) leaves its Python-backend stubs running, each holding a model's
+        weights and shared memory, until something kills them: here, not the user."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass                                               # nothing was left
+
     def stop(self) -> int | None:
-        if self.process is None or self.process.poll() is not None:
-            return None if self.process is None else self.process.returncode
+        if self.process is None:
+            return None
+        if self.process.poll() is not None:
+            self._kill_group()
+            return self.process.returncode
         # SIGINT is tritonserver's graceful shutdown (it unloads models, which stops our loops).
         os.killpg(self.process.pid, signal.SIGINT)
         try:
