@@ -307,6 +307,24 @@ def test_our_eagle3_checkpoint_round_trips_in_the_public_layout(target_path, tmp
         assert torch.equal(a[k], b[k]), k
 
 
+def test_serve_finds_an_eagle3_drafter_in_the_eagle_folder_beside_the_target(target_path, tmp_path):
+    """`specserve serve --target T` serves T/../eagle whichever layout it holds (its config says
+    "eagle3"); a folder whose config names another method is not taken for eagle's."""
+    import shutil
+
+    from specserve.cli.checks import resolve_drafters
+
+    shutil.copytree(target_path, tmp_path / "target")
+    target = load_model(target_path)
+    save_eagle(random_eagle3(target, seed=3, draft_size=100), json.loads(open(f"{target_path}/config.json").read()),
+               tmp_path / "eagle")
+    assert json.loads((tmp_path / "eagle" / "config.json").read_text())["specserve_drafter"] == "eagle3"
+    assert resolve_drafters(tmp_path / "target", [], False) == (("eagle", str((tmp_path / "eagle").resolve())),)
+    raw = json.loads((tmp_path / "eagle" / "config.json").read_text())
+    (tmp_path / "eagle" / "config.json").write_text(json.dumps({**raw, "specserve_drafter": "dflash"}))
+    assert resolve_drafters(tmp_path / "target", [], False) == ()
+
+
 def test_a_bf16_stored_drafter_keeps_its_vocabulary_and_an_fp32_calibration_head(target_path, tmp_path):
     """save_eagle(dtype=bfloat16): the weights are stored rounded to bf16 (what a committed drafter
     ships), d2t / t2d keep their integer / bool dtypes and the calibration head stays fp32."""

@@ -79,7 +79,8 @@ def check_tensor_parallel_flag(target: Path, world: int, device: "torch.device",
 
 def resolve_drafters(target: Path, flags: list[str], disabled: bool) -> tuple[tuple[str, str], ...]:
     """--drafter METHOD=DIR flags, else the drafters found beside the target (a folder named after
-    its method whose config.json says so: models/demo/eagle, …/dflash, …/draft, …/mtp)."""
+    its method whose config.json says so: models/demo/eagle, …/dflash, …/draft, …/mtp; an EAGLE-3
+    drafter, specserve_drafter "eagle3", in …/eagle)."""
     from specserve.methods import registry
 
     names = registry.folder_methods()
@@ -97,6 +98,7 @@ def resolve_drafters(target: Path, flags: list[str], disabled: bool) -> tuple[tu
         return ()
     for method in names if not pairs else ():
         beside = target.resolve().parent / method / "config.json"
-        if beside.is_file() and json.loads(beside.read_text()).get("specserve_drafter") == method:
+        kinds = registry.get(method).drafter_kinds
+        if beside.is_file() and json.loads(beside.read_text()).get("specserve_drafter") in kinds:
             pairs.append((method, str(beside.parent)))
     return tuple(pairs)

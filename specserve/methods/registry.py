@@ -114,6 +114,9 @@ class MethodSpec:
     # tiers file proposer.<key>s that apply to it only, besides its options' tier settings
     tier_settings: tuple[str, ...] = ()
     triton_models: tuple[str, ...] = ()       # the models its remote placement needs
+    # config.json `specserve_drafter` values its drafter folder may hold (empty: its name only).
+    # eagle takes both layouts: "eagle" (EAGLE-1) and "eagle3" (fused layers, reduced vocabulary).
+    folder_kinds: tuple[str, ...] = ()
     capabilities: MethodCapabilities = field(default_factory=MethodCapabilities)
     # Makes the proposer from a BuildContext; it imports the proposer's module when called, so
     # reading the registry loads no torch module. None: built into the engine (none).
@@ -136,6 +139,11 @@ class MethodSpec:
         """Whether `--drafter NAME=DIR` names a folder of this method (its own drafter, or a
         composite member that needs the composite's own folder)."""
         return self.drafts_with == "own" or any(m.drafter == self.name for m in self.members)
+
+    @property
+    def drafter_kinds(self) -> tuple[str, ...]:
+        """The `specserve_drafter` values a folder of this method is recognised by."""
+        return self.folder_kinds or (self.name,)
 
     @property
     def fused_only(self) -> bool:

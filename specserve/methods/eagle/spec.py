@@ -27,5 +27,5 @@ def build(ctx: BuildContext):
 
 SPEC = register(MethodSpec(
     "eagle", drafts_with="own", placements=("fused", "remote"),
-    triton_models=("eagle_proposal", "eagle_backbone", "calibration_head"),
+    triton_models=("eagle_proposal", "eagle_backbone", "calibration_head"), folder_kinds=("eagle", "eagle3"),
     capabilities=MethodCapabilities(needs_features=True), builder=build))
