@@ -4,6 +4,7 @@ Kept short (two chat prompts, a few tokens): the model is 135 M parameters on a 
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -22,7 +23,11 @@ from specserve.triton.render import render_repository  # noqa: E402
 MAX_TOKENS = 8
 MESSAGES = CHAT_PROMPTS[:2]
 REPO = Path(__file__).resolve().parents[1]
-EAGLE3 = REPO / "models" / "smollm2" / "eagle"  # the committed EAGLE-3 drafter (its card: README.md there)
+# The committed drafters, each with its card (README.md in its folder), as serve finds them.
+EAGLE3 = REPO / "models" / "smollm2" / "eagle"  # EAGLE-3: fused layers, 8 k draft vocabulary
+MTP = REPO / "models" / "smollm2" / "mtp"  # 4 MTP heads over the target's LM head
+DRAFT = REPO / "models" / "smollm2" / "draft"  # a 3-layer draft model, 256 wide, SmolLM2's tokenizer
+DRAFTERS = (("eagle", str(EAGLE3)), ("draft", str(DRAFT)), ("mtp", str(MTP)))
 
 
 @pytest.fixture(scope="module")
@@ -34,19 +39,34 @@ def test_greedy_equals_transformers_in_process(smollm2):
     assert check(smollm2, ["none", "ngram"], MAX_TOKENS, MESSAGES) == []
 
 
-def test_committed_eagle3_drafter_is_found_beside_the_target():
+def test_committed_drafters_are_found_beside_the_target():
     from specserve.cli.checks import resolve_drafters
     from specserve.serving.build import served_methods
 
     drafters = resolve_drafters(REPO / "models" / "smollm2" / "target", [], disabled=False)
-    assert drafters == (("eagle", str(EAGLE3)),)
-    assert served_methods(drafters) == ["none", "ngram", "eagle", "dspark", "mtp"]
+    assert drafters == DRAFTERS
+    assert served_methods(drafters) == ["none", "ngram", "eagle", "draft", "mtp", "dspark"]
 
 
-def test_committed_eagle3_drafter_is_lossless_against_transformers(smollm2):
-    # eagle, dspark (its static step) and mtp (eagle + n-gram, tree-verified) all draft with it
-    drafters = (("eagle", str(EAGLE3)),)
-    assert check(smollm2, ["eagle", "dspark", "mtp"], MAX_TOKENS, MESSAGES, drafters=drafters) == []
+def test_committed_drafters_are_lossless_against_transformers(smollm2):
+    # eagle and dspark (its static step) draft with the EAGLE-3 drafter, draft with the draft
+    # model, mtp with its heads + both + n-gram, tree-verified
+    assert check(smollm2, ["eagle", "draft", "dspark", "mtp"], MAX_TOKENS, MESSAGES, drafters=DRAFTERS) == []
+
+
+def test_committed_mtp_heads_reach_their_cards_agreement(smollm2):
+    """A recheck of models/smollm2/mtp/training.json's recheck_sample (the same rows, recomputed)."""
+    from tokenizers import Tokenizer
+    from train_mtp import recheck_rows
+
+    from specserve.methods.mtp.heads import head_agreement, load_mtp_heads
+    from specserve.model.transformer import load_model
+
+    card = json.loads((MTP / "training.json").read_text())["eval"]["recheck_sample"]
+    target = load_model(smollm2)
+    rows = recheck_rows(target, Tokenizer.from_file(str(smollm2 / "tokenizer.json")))
+    got = head_agreement(target, load_mtp_heads(MTP, target), rows)
+    assert got == pytest.approx(card["agreement_per_head"], abs=0.01)
 
 
 @pytest.mark.triton
