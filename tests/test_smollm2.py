@@ -27,7 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 EAGLE3 = REPO / "models" / "smollm2" / "eagle"  # EAGLE-3: fused layers, 8 k draft vocabulary
 MTP = REPO / "models" / "smollm2" / "mtp"  # 4 MTP heads over the target's LM head
 DRAFT = REPO / "models" / "smollm2" / "draft"  # a 3-layer draft model, 256 wide, SmolLM2's tokenizer
-DRAFTERS = (("eagle", str(EAGLE3)), ("draft", str(DRAFT)), ("mtp", str(MTP)))
+DFLASH = REPO / "models" / "smollm2" / "dflash"  # a 1-layer DFlash block drafter over fused layers
+DRAFTERS = (("eagle", str(EAGLE3)), ("dflash", str(DFLASH)), ("draft", str(DRAFT)), ("mtp", str(MTP)))
+DRAFTER_BUDGET_BYTES = 80_000_000  # the issue's 80 MB for every committed SmolLM2 drafter
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +47,27 @@ def test_committed_drafters_are_found_beside_the_target():
 
     drafters = resolve_drafters(REPO / "models" / "smollm2" / "target", [], disabled=False)
     assert drafters == DRAFTERS
-    assert served_methods(drafters) == ["none", "ngram", "eagle", "draft", "mtp", "dspark"]
+    assert served_methods(drafters) == ["none", "ngram", "eagle", "dflash", "draft", "mtp", "dspark"]
+
+
+def test_committed_drafters_have_cards_and_fit_the_budget():
+    for _, folder in DRAFTERS:
+        assert (Path(folder) / "README.md").is_file(), f"{folder} has no card"
+    total = sum(f.stat().st_size for _, folder in DRAFTERS for f in Path(folder).rglob("*") if f.is_file())
+    assert total <= DRAFTER_BUDGET_BYTES, f"drafters take {total / 1e6:.1f} MB, over 80 MB"
 
 
 def test_committed_drafters_are_lossless_against_transformers(smollm2):
-    # eagle and dspark (its static step) draft with the EAGLE-3 drafter, draft with the draft
-    # model, mtp with its heads + both + n-gram, tree-verified
-    assert check(smollm2, ["eagle", "draft", "dspark", "mtp"], MAX_TOKENS, MESSAGES, drafters=DRAFTERS) == []
+    # eagle and dspark (its static step) draft with the EAGLE-3 drafter, dflash with its block
+    # drafter, draft with the draft model, mtp with its heads + both + n-gram, tree-verified
+    methods = ["eagle", "dflash", "draft", "dspark", "mtp"]
+    assert check(smollm2, methods, MAX_TOKENS, MESSAGES, drafters=DRAFTERS) == []
+
+
+def test_committed_dflash_whole_blocks_are_lossless_against_transformers(smollm2):
+    # the served threshold (0.3) cuts most of this weak drafter's blocks; with none, every
+    # step drafts a whole block and verification has to reject most of it
+    assert check(smollm2, ["dflash"], MAX_TOKENS, MESSAGES, drafters=DRAFTERS, spec_threshold=0.0) == []
 
 
 def test_committed_mtp_heads_reach_their_cards_agreement(smollm2):

@@ -59,9 +59,10 @@ def engine_greedy(engine, prompts: list[list[int]], method: str, max_tokens: int
 
 
 def check(checkpoint: Path, methods: list[str], max_tokens: int, messages=CHAT_PROMPTS,
-          drafters: tuple[tuple[str, str], ...] = ()) -> list[str]:
+          drafters: tuple[tuple[str, str], ...] = (), **settings) -> list[str]:
     """The differences found (empty: every method equals transformers on every prompt).
-    drafters: (method, folder) pairs, as `--drafter METHOD=DIR` gives them."""
+    drafters: (method, folder) pairs, as `--drafter METHOD=DIR` gives them; settings: other
+    DeploymentSettings fields (spec_threshold=0: EAGLE and DFlash draft whole chains)."""
     import transformers
 
     from specserve.serving.build import build_engine
@@ -71,7 +72,8 @@ def check(checkpoint: Path, methods: list[str], max_tokens: int, messages=CHAT_P
     prompts = [chat_prompt_ids(tokenizer, m) for m in messages]
     ref = transformers_greedy(checkpoint, prompts, max_tokens)
     engine, _ = build_engine(DeploymentSettings(checkpoint, max_num_seqs=len(prompts), max_model_len=1024,
-                                                 device="cpu", draft_policy="fixed", drafters=drafters))
+                                                 device="cpu", draft_policy="fixed", drafters=drafters,
+                                                 **settings))
     problems = []
     for method in methods:
         got = engine_greedy(engine, prompts, method, max_tokens)
