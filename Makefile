@@ -69,8 +69,9 @@ chat-peers: smollm2 peers
 # prompts, greedy and T = 0.7, c = 1 and 16, fp32 / bf16 / int8 / int4 targets; docs/compare/.
 # Not timed end to end: hours on 2 cores with every configuration (the fp32-activation int8 / int4
 # targets decode at 3-8 tokens/s); a chat-only c = 1 greedy run of 4 configurations and llama.cpp
-# took 8.4 min (docs/quantize/head8_per_query.json). Pick fewer with COMPARE_ARGS="--configs ...";
-# drafters: COMPARE_ARGS="--drafter eagle=models/smollm2/eagle ...".
+# took 8.4 min (docs/quantize/head8_per_query.json), fp32 + int4_bf16 with every drafter ~30 min.
+# Pick fewer with COMPARE_ARGS="--configs ..."; the drafters are those beside the target
+# (models/smollm2/<method>), or COMPARE_ARGS="--drafter eagle=DIR ...".
 COMPARE_ARGS ?=
 compare: smollm2 peers
 	$(PY) benchmarks/compare.py $(COMPARE_ARGS)

@@ -9,8 +9,10 @@ Rows (a row is one system at one temperature and concurrency):
 
     <config> <method>    specserve, the `llm` ensemble over gRPC streaming (specserve bench's
                          StreamDriver), one `specserve serve` per target configuration. Pass 1:
-                         every registered method on fp32. A method whose drafter this target lacks
-                         (--drafter METHOD=DIR) is reported as skipped, never run on a random one.
+                         every registered method on fp32, with the drafters given (--drafter
+                         METHOD=DIR), else those `specserve serve` finds beside the target (and the
+                         draft one as --draft-model). A method whose drafter this target lacks is
+                         reported as skipped, never run on a random one.
                          Pass 2 (issue 26): `none` and the best speculative method of pass 1
                          (fastest at c = 1, greedy) on bf16, int8, int4 (--quantize), the kept
                          Q4_1 target (--kept-q4, from `specserve import-gguf --keep-quantized`)
@@ -178,7 +180,9 @@ def figures(cell: Cell) -> dict:
     return {"requests": s["requests"], "output_tokens": s["output_tokens"], "duration_s": s["duration_s"],
             "tokens_per_s": s["output_throughput"], "acceptance_length": s["mean_acceptance_length"],
             "ttft_p50_ms": ms(s["ttft_s"], "p50"), "tpot_p50_ms": ms(s["tpot_s"], "p50"),
-            "tpot_p99_ms": ms(s["tpot_s"], "p99"), "itl_std_ms": ms(s["itl_s"], "std")}
+            "tpot_p99_ms": ms(s["tpot_s"], "p99"), "itl_std_ms": ms(s["itl_s"], "std"),
+            "draft_tokens_per_step": s["draft_tokens_per_step"], "drafting_step_share": s["drafting_step_share"],
+            "draft_ms_per_step": s["draft_ms_per_step"], "verify_ms_per_step": s["verify_ms_per_step"]}
 
 
 def same_text(records: list[RequestRecord], reference: list[RequestRecord]) -> list[int]:
@@ -244,7 +248,12 @@ def rows(cells: dict[tuple[str, float, int], Cell], systems: dict[str, System], 
 
 
 # -- setup ---------------------------------------------------------------------------------------
-def drafter_folders(given: list[str]) -> dict[str, Path]:
+def drafter_folders(given: list[str], target: Path) -> dict[str, Path]:
+    """--drafter METHOD=DIR, else the drafters `specserve serve` finds beside the target."""
+    if not given:
+        from specserve.cli.checks import resolve_drafters
+
+        return {m: Path(d) for m, d in resolve_drafters(target, [], False)}
     out = {}
     for item in given:
         method, sep, folder = item.partition("=")
@@ -466,7 +475,9 @@ def _run(args, log) -> dict:
     log(f"compare: memory bandwidth {bandwidth.bytes_per_s / 1e9:.2f} GB/s (copy loop)")
 
     prompts = load_prompts(args)
-    drafters = drafter_folders(args.drafter)
+    drafters = drafter_folders(args.drafter, args.target)
+    if args.draft_model is None and "draft" in drafters:
+        args.draft_model = drafters["draft"]      # the draft model serves transformers' assisted generation too
     skips = method_skips(drafters)
     if args.methods is not None:
         chosen = {"none", *args.methods.split(",")}
@@ -538,7 +549,8 @@ def _run(args, log) -> dict:
         "settings": {"new_tokens": args.new_tokens, "temperatures": args.temperatures, "concurrency": args.concurrency,
                      "block_size": args.block_size, "threads": threads, "configs": args.configs,
                      "group_size": args.group_size, "max_model_len": args.max_model_len,
-                     "serve_flags": {n: list(serve_flags(configs[n], drafters, args)) for n in folders},
+                     "serve_flags": {n: [a.replace(f"{ROOT}/", "") for a in serve_flags(configs[n], drafters, args)]
+                                     for n in folders},
                      "hf_prompt_lookup": HF_NGRAM, "default_run_time": DEFAULT_RUN_TIME},
         "methods": {"registered": list(registry.names()), "run": methods, "best": best},
         "weight_bytes_per_step": bytes_per_step,

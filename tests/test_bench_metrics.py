@@ -97,10 +97,11 @@ def test_throughput_over_summed_windows_and_zero_duration_guard():
     assert metrics.throughput([], [])["output_throughput"] is None
 
 
-def _stats(steps, drafts, draft_tokens, accepted, rates):
+def _stats(steps, drafts, draft_tokens, accepted, rates, draft_s=0.0, verify_s=0.0):
     return {"method": "ngram", "steps": steps, "drafts": drafts, "draft_tokens": draft_tokens,
             "accepted_tokens": accepted, "mean_acceptance_length": 0.0,
-            "acceptance_rate_per_position": rates, "proposer_errors": 0}
+            "acceptance_rate_per_position": rates, "proposer_errors": 0,
+            "draft_seconds": draft_s, "verify_seconds": verify_s}
 
 
 def test_acceptance_length_and_draft_tokens_per_step_are_step_weighted():
@@ -118,6 +119,17 @@ def test_acceptance_length_and_draft_tokens_per_step_are_step_weighted():
     assert plain["mean_acceptance_length"] == pytest.approx(2.2)
     empty = metrics.speculation([one_chunk()])                      # no stats reported
     assert empty["mean_acceptance_length"] is None and empty["draft_tokens_per_step"] is None
+    assert empty["draft_ms_per_step"] is None and empty["drafting_step_share"] is None
+
+
+def test_step_time_splits_into_draft_and_verify_per_step():
+    a, b = streamed(), one_chunk()
+    a.spec_stats = _stats(10, 8, 32, 12, [0.75, 0.5], draft_s=0.05, verify_s=0.6)
+    b.spec_stats = _stats(5, 2, 8, 1, [0.5], draft_s=0.01, verify_s=0.3)
+    s = metrics.speculation([a, b])
+    assert s["draft_ms_per_step"] == pytest.approx(1000 * 0.06 / 15)
+    assert s["verify_ms_per_step"] == pytest.approx(1000 * 0.9 / 15)
+    assert s["drafting_step_share"] == pytest.approx(10 / 15)      # steps that drafted anything
 
 
 def test_summary_counts_errors_and_times_only_successes():

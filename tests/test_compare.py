@@ -65,6 +65,34 @@ def test_rows_of_none_eagle_and_the_peers(report):
     assert eagle["acceptance_length"] >= 1
 
 
+def test_rows_split_the_step_into_draft_and_verify(report):
+    r, out = report
+    for row in r["rows"]:
+        if row["config"] is None:           # peers: no server-side step figures
+            assert row["draft_ms_per_step"] is None and row["verify_ms_per_step"] is None, row["system"]
+            continue
+        assert row["verify_ms_per_step"] > 0, row["system"]
+        if row["method"] == "none":
+            # `none` drafts nothing; its draft ms is the engine's no-op proposer call, timed like any other
+            assert (row["draft_tokens_per_step"], row["drafting_step_share"]) == (0, 0)
+        else:
+            assert row["draft_ms_per_step"] > 0 and 0 < row["drafting_step_share"] <= 1, row["system"]
+    md = (out / "README.md").read_text()
+    assert "| drafted/step | draft / verify ms/step |" in md
+
+
+def test_drafters_default_to_those_serve_finds_beside_the_target(compare):
+    found = compare.drafter_folders([], DEMO / "target")
+    assert found == {m: (DEMO / m).resolve() for m in ("eagle", "dflash", "draft", "mtp")}
+    assert compare.drafter_folders(["eagle=x"], DEMO / "target") == {"eagle": Path("x")}
+
+
+def test_reported_serve_flags_name_no_path_of_this_machine(report):
+    r, _ = report
+    flags = [a for fl in r["settings"]["serve_flags"].values() for a in fl]
+    assert "eagle=models/demo/eagle" in flags and not any(str(ROOT) in a for a in flags)
+
+
 def test_skip_reasons_are_exact(report):
     r, _ = report
     skipped = {s["system"]: s["reason"] for s in r["skipped"]}

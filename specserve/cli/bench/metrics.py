@@ -113,9 +113,16 @@ def speculation(records: Sequence[RequestRecord]) -> dict:
         acc = sum(s["acceptance_rate_per_position"][i] * s.get("drafts", 0)
                   for s in stats if i < len(s.get("acceptance_rate_per_position", [])))
         per_pos.append(acc / drafts if drafts else 0.0)
+    # Where a step's time goes: the proposer call and the verify forward, per request step (a
+    # batched step charges each row the whole step, so at c > 1 these are per batch step).
+    draft_s = sum(s.get("draft_seconds", 0.0) for s in stats)
+    verify_s = sum(s.get("verify_seconds", 0.0) for s in stats)
     return {"steps": steps, "drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
             "mean_acceptance_length": (accepted + steps) / steps if steps else None,
             "draft_tokens_per_step": draft_tokens / steps if steps else None,
+            "draft_ms_per_step": 1000 * draft_s / steps if steps else None,
+            "verify_ms_per_step": 1000 * verify_s / steps if steps else None,
+            "drafting_step_share": drafts / steps if steps else None,
             "acceptance_rate_per_position": per_pos,
             "proposer_errors": sum(s.get("proposer_errors", 0) for s in stats)}
 
