@@ -14,10 +14,9 @@ def _mib(n) -> str:
 
 
 def _drafted(row: dict) -> str:
+    # Both come from the same step count: one is None exactly when the other is.
     per_step, share = row.get("draft_tokens_per_step"), row.get("drafting_step_share")
-    if per_step is None:
-        return "–"
-    return f"{per_step:.2f} ({share:.0%})" if share is not None else f"{per_step:.2f}"
+    return "–" if per_step is None else f"{per_step:.2f} ({share:.0%})"
 
 
 def markdown(report: dict) -> str:
