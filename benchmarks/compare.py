@@ -249,18 +249,14 @@ def rows(cells: dict[tuple[str, float, int], Cell], systems: dict[str, System], 
 
 # -- setup ---------------------------------------------------------------------------------------
 def drafter_folders(given: list[str], target: Path) -> dict[str, Path]:
-    """--drafter METHOD=DIR, else the drafters `specserve serve` finds beside the target."""
-    if not given:
-        from specserve.cli.checks import resolve_drafters
+    """--drafter METHOD=DIR, else the drafters `specserve serve` finds beside the target: the same
+    resolution serve runs (method names and config.json checked before any server starts)."""
+    from specserve.cli.checks import CliError, resolve_drafters
 
-        return {m: Path(d) for m, d in resolve_drafters(target, [], False)}
-    out = {}
-    for item in given:
-        method, sep, folder = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--drafter {item}: expected METHOD=DIR")
-        out[method] = Path(folder)
-    return out
+    try:
+        return {m: Path(d) for m, d in resolve_drafters(target, given, False)}
+    except CliError as e:
+        raise SystemExit(str(e)) from None
 
 
 def method_skips(drafters: dict[str, Path]) -> dict[str, str]:
@@ -287,6 +283,8 @@ def serve_flags(cfg: TargetConfig, drafters: dict[str, Path], args) -> tuple[str
         flags += ["--quantize-head", cfg.head]
     if cfg.attention != "batched":
         flags += ["--attention", cfg.attention]
+    if args.draft_policy != "adaptive":
+        flags += ["--draft-policy", args.draft_policy]
     if not drafters:
         return (*flags, "--no-drafters")
     return (*flags, *(a for m, d in drafters.items() for a in ("--drafter", f"{m}={d}")))
@@ -354,6 +352,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--drafter", action="append", default=[], metavar="METHOD=DIR",
                    help="a trained drafter for this target, as `specserve serve --drafter` (repeatable)")
+    p.add_argument("--draft-policy", choices=("adaptive", "fixed"), default="adaptive",
+                   help="serve's --draft-policy (default adaptive, as served; fixed drafts every step at the cap)")
     p.add_argument("--draft-model", type=Path, help="a draft model for transformers' assisted generation")
     p.add_argument("--gguf", type=Path, help="the GGUF file for llama.cpp (default: the one the target was imported from)")
     p.add_argument("--kept-q4", type=Path, help="the kept Q4_1 target (`specserve import-gguf --keep-quantized`)")

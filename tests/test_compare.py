@@ -31,7 +31,9 @@ def report(compare, tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
     args = compare.parse(["--target", str(DEMO / "target"), "--chat", "0", "--humaneval", "2", "--new-tokens", "6",
                           "--concurrency", "1,2", "--temperatures", "0,0.7", "--configs", "fp32", "--methods", "eagle",
-                          "--drafter", f"eagle={DEMO / 'eagle'}", "--cores", "1", "--out", str(out)])
+                          "--drafter", f"eagle={DEMO / 'eagle'}", "--cores", "1",
+                          # fixed: every eagle step drafts, whatever this machine's load makes the adaptive policy do
+                          "--draft-policy", "fixed", "--out", str(out)])
     before = os.sched_getaffinity(0)
     report = compare.run(args, log=lambda *a: None)
     AFTER.update(before=before, after=os.sched_getaffinity(0))
@@ -84,7 +86,15 @@ def test_rows_split_the_step_into_draft_and_verify(report):
 def test_drafters_default_to_those_serve_finds_beside_the_target(compare):
     found = compare.drafter_folders([], DEMO / "target")
     assert found == {m: (DEMO / m).resolve() for m in ("eagle", "dflash", "draft", "mtp")}
-    assert compare.drafter_folders(["eagle=x"], DEMO / "target") == {"eagle": Path("x")}
+    given = compare.drafter_folders([f"eagle={DEMO / 'eagle'}"], DEMO / "target")
+    assert given == {"eagle": DEMO / "eagle"}
+
+
+def test_a_bad_drafter_flag_stops_before_a_server_starts(compare, tmp_path):
+    with pytest.raises(SystemExit, match=f"^--drafter eagle={tmp_path}: {tmp_path} has no config.json$"):
+        compare.drafter_folders([f"eagle={tmp_path}"], DEMO / "target")
+    with pytest.raises(SystemExit, match="^--drafter: unknown method 'eagel'; drafters: "):
+        compare.drafter_folders([f"eagel={DEMO / 'eagle'}"], DEMO / "target")
 
 
 def test_reported_serve_flags_name_no_path_of_this_machine(report):
