@@ -216,11 +216,13 @@ class _WrongQHead(DraftHead):
         return super().expand(q_d.roll(1, -1))
 
 
+@pytest.mark.parametrize("params", [dict(temperature=1.0, top_k=6), dict(temperature=0.7)], ids=["top-k", "plain"])
 @pytest.mark.parametrize("broken", [False, True], ids=["exact", "broken-d2t-q"])
-def test_sampled_dspark_with_eagle3_follows_target_distribution(tmp_path, broken):
+def test_sampled_dspark_with_eagle3_follows_target_distribution(tmp_path, broken, params):
     """test_eagle's joint of tokens 2 and 3 against the exact target, drafted from 5 of the 8
     target ids (the target's mass outside them is only reachable through recovery); the same
-    check must catch the wrongly expanded q."""
+    check must catch the wrongly expanded q. "plain" (no top-k / top-p) runs the step's
+    sort-free warp (StepKey.truncated False), "top-k" the sorting one."""
     target = load_model(make_tiny_checkpoint(tmp_path / "small", "llama", vocab_size=8, seed=5,
                                              num_hidden_layers=LAYERS))
     drafter = random_eagle3(target, seed=2, draft_size=5, calibration=False, head_scale=1.0)
@@ -228,7 +230,9 @@ def test_sampled_dspark_with_eagle3_follows_target_distribution(tmp_path, broken
     prop = engine.proposers["dspark"]
     if broken:
         prop.head = _WrongQHead(drafter, None)
-    tv = two_token_joint_tv(target, engine, "dspark")
+    tv = two_token_joint_tv(target, engine, "dspark", params=params)
+    # the sampled steps ran the variant these parameters choose
+    assert {k.truncated for k in prop._graphs.graphs if k.sampled} == {"top_k" in params}
     if broken:
         assert tv > 0.1, f"the broken variant went unnoticed: total variation {tv:.4f}"
     else:

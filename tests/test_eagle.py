@@ -61,14 +61,14 @@ def test_greedy_eagle_equals_plain_decoding(target_path, threshold):
     assert engine.num_free_slots == 4 and engine.proposers["eagle"].cache.num_free == 4
 
 
-def two_token_joint_tv(target, engine, method: str, n: int = 3000) -> float:
+def two_token_joint_tv(target, engine, method: str, n: int = 3000, params: dict | None = None) -> float:
     """Total variation between the generated joint of tokens 2 and 3 (drafted and verified in one
     step) and the exact target joint, over n unseeded requests of `method` on `target` (vocab 8):
     the rejection sampler. Their generators are seeded 0..n-1 in submission order so the run is
     repeatable (a `seed` in the request would route it to seeded sampling, tests/test_seeded.py)."""
     from unittest import mock
 
-    params = dict(temperature=1.0, top_k=6)
+    params = params or dict(temperature=1.0, top_k=6)
     prompt = [1, 3, 5]
     streams = itertools.count()
     repeatable = lambda _params, device: torch.Generator(device=device).manual_seed(next(streams))  # noqa: E731

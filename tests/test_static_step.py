@@ -15,7 +15,7 @@ from specserve.core.proposer import Draft
 from specserve.core.sampling import SamplingParams
 from specserve.core.static_step import (DeviceKV, SamplingTensors, StepInputs, acceptance, bucket_for, draw,
                                    final_distribution, greedy_acceptance, sampled_accepted, span_for,
-                                   target_step, to_host, uniforms_for)
+                                   target_step, to_host, truncates, uniforms_for, warp)
 from specserve.core.verify import Verdict, verify_greedy
 from test_verify import (N_DRAWS, PARAMS, TV_BOUND, ToyLM, draw_chain, empirical_first_two,
                          exact_first_two)
@@ -172,8 +172,9 @@ def static_sampler(logits, draft: Draft, params, g, *, pad: int = 1) -> Verdict:
     probs = None
     if draft.probs is not None:
         probs = torch.cat([draft.probs, torch.full((pad, V), 1.0 / V)])[None]
+    # "plain" rows (no top-k / top-p) take warp's sort-free variant, as a served step would
     acc = acceptance(full, tokens, torch.tensor([len(draft)]), SamplingTensors.from_params([params], "cpu"),
-                     probs, uniforms_for([g], K + 1, "cpu"), sampled=True)
+                     probs, uniforms_for([g], K + 1, "cpu"), sampled=True, truncated=truncates([params]))
     n = int(acc.counts[0])
     return Verdict(list(range(n - 1)), acc.emitted[0, :n].tolist(), n - 1 == len(draft))
 
@@ -181,7 +182,6 @@ def static_sampler(logits, draft: Draft, params, g, *, pad: int = 1) -> Verdict:
 def broken_static_sampler(logits, draft: Draft, params, g) -> Verdict:
     """BROKEN on purpose: the static acceptance test, but the token after a rejection is drawn
     from p instead of the residual max(p − q, 0)."""
-    from specserve.core.static_step import warp
     K = len(draft)
     tokens = torch.tensor([[0] + draft.tokens])
     probs = warp(logits[None], SamplingTensors.from_params([params], "cpu"))
@@ -203,6 +203,26 @@ def test_static_sampled_acceptance_matches_target_distribution(pname):
     got = empirical_first_two(static_sampler, target, params, make, N_DRAWS, seed=11)
     tv = 0.5 * (got - want).abs().sum().item()
     assert tv < TV_BOUND, f"total variation {tv:.4f}"
+
+
+def test_truncates_names_the_rows_that_need_the_vocabulary_sorts():
+    assert not truncates([None, SamplingParams(), SamplingParams(temperature=0.7)])
+    assert truncates([None, SamplingParams(temperature=0.7, top_k=40)])
+    assert truncates([SamplingParams(temperature=0.7, top_p=0.9)])
+    assert not truncates([SamplingParams(top_k=40)])   # greedy: its top-k is never used
+
+
+def test_warp_without_truncation_is_the_full_warp_bit_for_bit():
+    """No row truncates: skipping the sorts gives the same probabilities, even where the tempered
+    softmax underflows to exact zeros (the only tokens top_p = 1 drops)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 1000, generator=g) * torch.tensor([1.0, 30.0, 300.0])[:, None, None]
+    s = SamplingTensors.from_params([SamplingParams(temperature=t) for t in (1.0, 0.7, 0.05)], "cpu")
+    full, fast = warp(logits, s, truncated=True), warp(logits, s, truncated=False)
+    assert (full == 0).any() and torch.equal(full, fast)
+    # the control: a row with top-k does change the probabilities, so that variant must sort
+    s_k = SamplingTensors.from_params([SamplingParams(temperature=1.0, top_k=5)] * 3, "cpu")
+    assert not torch.equal(warp(logits, s_k, truncated=True), warp(logits, s_k, truncated=False))
 
 
 def test_static_point_mass_drafts_are_lossless():

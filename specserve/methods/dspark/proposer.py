@@ -60,7 +60,7 @@ from specserve.methods.eagle.eagle3 import Eagle3Drafter
 from specserve.methods.eagle.proposer import EagleProposer
 from specserve.core.static_step import (DeviceKV, SamplingTensors, StaticOutcome, StaticRow, StepInputs,
                                    bucket_for, chain_batch, check_static_model, draw, span_for,
-                                   step_noise, target_step, to_host, uniforms_for, warp)
+                                   step_noise, target_step, to_host, truncates, uniforms_for, warp)
 from specserve.core.sampling import coupled_choice
 
 
@@ -76,6 +76,7 @@ class StepKey:
     S: int
     sampled: bool
     seeded: bool = False   # some row is seeded: the graph computes the Gumbel noise
+    truncated: bool = True  # some sampled row has top-k / top-p: the graph sorts the vocabulary
 
 
 class DSParkProposer(ProposerDefaults):
@@ -158,6 +159,7 @@ class DSParkProposer(ProposerDefaults):
         K = self.choose_k(rows)
         sampled = any(not r.params.greedy for r in rows)
         coupled = any(r.seed is not None for r in rows)
+        truncated = truncates([r.params for r in rows])
         S = span_for(max(r.length for r in rows) + K + 1, self._cache_len, self.span_set)
         fresh = [r for r in rows if r.seq_id not in self.eagle._seqs]
         h_fresh = torch.zeros(B, self.drafter.cfg.hidden_size, dtype=self.eagle.dtype, device=dev)
@@ -193,7 +195,7 @@ class DSParkProposer(ProposerDefaults):
             "seeded": s.seeded, "seeds": s.seeds,
             "uniforms": uniforms_for([r.generator for r in rows] + [None] * pad, 2 * K + 1, dev),
         }
-        out = to_host(self._graphs.run(StepKey(B, K, S, sampled, coupled), inputs)["out"])  # the one host sync
+        out = to_host(self._graphs.run(StepKey(B, K, S, sampled, coupled, truncated), inputs)["out"])  # the one host sync
         outcomes = []
         for b, (r, st, k) in enumerate(zip(rows, states, new)):
             count, drafted = int(out[b, K + 1]), int(out[b, K + 2])
@@ -249,7 +251,7 @@ class DSParkProposer(ProposerDefaults):
             logits = head.logits(h)  # [B, Vd]: the target's LM head (Vd = V), or EAGLE-3's own
             pick = logits.argmax(-1)  # [B] draft ids
             if key.sampled:
-                q_d = warp(logits[:, None], sampling)[:, 0]  # [B, Vd]
+                q_d = warp(logits[:, None], sampling, truncated=key.truncated)[:, 0]  # [B, Vd]
                 pick = torch.where(sampling.greedy, pick, draw(q_d, u[:, j]))
                 if noise is not None:
                     pick = torch.where(sampling.seeded, coupled_choice(q_d, head.draft_noise(noise[:, j])), pick)
@@ -273,7 +275,7 @@ class DSParkProposer(ProposerDefaults):
         probs = torch.stack(qs, 1) if qs else None  # [B, K, V]
         res = target_step(self.target, self._kv,
                           StepInputs(tokens, x["lengths"], x["slots"], lens, sampling, u[:, K:], probs, noise),
-                          S, sampled=key.sampled, hidden_layers=self.feature_layers)
+                          S, sampled=key.sampled, hidden_layers=self.feature_layers, truncated=key.truncated)
 
         # 5. the committed pairs (f at each verified position, the token after it) for next step;
         # an EAGLE-3 drafter keeps them fused (g = fc of its layers), as its ingest reads them
