@@ -69,6 +69,19 @@ def test_greedy_dspark_equals_plain_and_eagle(target, threshold):
     assert engine.num_free_slots == 4 and engine.proposers["dspark"].eagle.cache.num_free == 4
 
 
+def test_greedy_steps_run_the_graphs_warm_made(target):
+    """warm() makes the greedy keys at the full span (what a GPU serves) before any request; greedy
+    steps must find them, not make graphs of their own on a request's path."""
+    kw = dict(max_num_seqs=4, max_model_len=256, max_draft_len=5, threshold=0.3)
+    prop = DSParkProposer(random_drafter(target, seed=1), target, span_set="full", **kw)
+    engine = Engine(target, EngineConfig(max_num_seqs=4, max_model_len=256, max_draft_len=5),
+                    {"dspark": prop}, eos_token_ids=())
+    prop.warm()
+    warmed = set(prop._graphs.graphs)
+    engine.generate(reqs("dspark", PROMPTS))
+    assert set(prop._graphs.graphs) == warmed
+
+
 def test_bf16_drafter_keeps_greedy_output(target):
     drafter = random_drafter(target, seed=4).to(torch.bfloat16)
     drafter.calibration.float()

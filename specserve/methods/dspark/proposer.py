@@ -76,7 +76,9 @@ class StepKey:
     S: int
     sampled: bool
     seeded: bool = False   # some row is seeded: the graph computes the Gumbel noise
-    truncated: bool = True  # some sampled row has top-k / top-p: the graph sorts the vocabulary
+    # some sampled row has top-k / top-p: the graph sorts the vocabulary. False by default, as
+    # `truncates` gives for greedy rows, so warm's greedy keys are the ones greedy steps run.
+    truncated: bool = False
 
 
 class DSParkProposer(ProposerDefaults):
@@ -140,10 +142,11 @@ class DSParkProposer(ProposerDefaults):
         self._graphs = GraphCache(self._make_fn, self._example, self.target.device, self._graph_mode)
 
     def warm(self) -> None:
-        """Capture the greedy graphs for every bucket and K at the full span (what a GPU uses)."""
+        """Capture the greedy graphs for every bucket and K at the full span (what a GPU uses); K = 0
+        too: the step of rows with no room left to draft (choose_k)."""
         buckets = sorted({bucket_for(n, self.max_num_seqs) for n in range(1, self.max_num_seqs + 1)})
         S = span_for(1, self._cache_len, "full")
-        self._graphs.warm([StepKey(b, k, S, False) for b in buckets for k in self.ks])
+        self._graphs.warm([StepKey(b, k, S, False) for b in buckets for k in (0, *self.ks)])
 
     def choose_k(self, rows: list[StaticRow]) -> int:
         want = max(min(r.max_draft_len, self._last_cut.get(r.seq_id, self.max_draft_len) + 1) for r in rows)
