@@ -16,6 +16,7 @@ from conftest import make_tiny_checkpoint
 from specserve.core.engine import GenerationRequest
 from specserve.core.sampling import SamplingParams
 from specserve.methods import registry
+from specserve.model.dense_linear import OneDNNLinear, onednn_available
 from specserve.model.quantize import (INT4_GROUP_SIZES, Quantization, QuantizeError, check_quantization,
                                       quantize_target)
 from specserve.model.quantized_linear import Int4Linear, Int8Linear, int4_weights, int8_weights
@@ -233,7 +234,9 @@ def quantized_demo(request):
 def test_the_demo_target_is_quantized(quantized_demo, request):
     engine, _, _ = quantized_demo
     quantize, _, dtype, attention = request.node.callspec.params["quantized_demo"]
-    kinds = {"int8": Int8Linear, "int4": Int4Linear, "none": nn.Linear}
+    # A projection left dense runs on oneDNN where auto picks it (fp32 on a CPU: dense_linear.py)
+    dense_kind = OneDNNLinear if dtype == "float32" and onednn_available() else nn.Linear
+    kinds = {"int8": Int8Linear, "int4": Int4Linear, "none": dense_kind}
     assert type(engine.model.layers[0].mlp.down_proj) is kinds[quantize]
     assert engine.model.dtype == getattr(torch, dtype)
     assert engine.model.per_query_attention == (attention == "per-query")

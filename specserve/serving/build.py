@@ -164,6 +164,7 @@ def build_engine(settings: DeploymentSettings, remote: "RemoteCalls | None" = No
     `remote`: the BLS calls of remote proposers (the target_verifier adapter's); None: built in
     process, where mtp runs fused (logged) and a remote placement of a drafter is refused."""
     from specserve.core.engine import Engine
+    from specserve.model.dense_linear import resolve_linear_kernel, use_onednn_linears
     from specserve.model.invariant_attention import check_attention, require_row_invariance
     from specserve.model.quantize import check_quantization, kept_quantization, quantize_target, served_quantization
     from specserve.model.tensor_parallel import check_tensor_parallel
@@ -183,6 +184,7 @@ def build_engine(settings: DeploymentSettings, remote: "RemoteCalls | None" = No
     check_quantization(served, cfg, device.type, settings.dtype)
     check_tensor_parallel(cfg, settings.tensor_parallel, device, served.label())
     check_attention(settings.attention, device.type, settings.tensor_parallel)
+    linear_kernel = resolve_linear_kernel(settings.linear_kernel, device.type, settings.dtype, settings.tensor_parallel)
     dtype = getattr(torch, settings.dtype)
     if settings.tensor_parallel > 1:
         from specserve.model.tp_processes import start_tensor_parallel
@@ -190,6 +192,8 @@ def build_engine(settings: DeploymentSettings, remote: "RemoteCalls | None" = No
         model = start_tensor_parallel(settings.checkpoint, settings.tensor_parallel, dtype=dtype, device=device)
     else:
         model = quantize_target(load_model(settings.checkpoint, dtype=dtype, device=device), settings.quantization())
+        if linear_kernel == "onednn":   # after quantization: the layers it kept dense
+            log.info("linear kernel: onednn for the target's %d dense linear layers", use_onednn_linears(model))
         if settings.attention == "per-query":
             require_row_invariance(model, settings.max_num_seqs)
             model.per_query_attention = True

@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping
 from specserve.core.draft_policy import POLICIES
 from specserve.core.config import EngineConfig
 from specserve.methods import registry
+from specserve.model.dense_linear import LINEAR_KERNELS
 from specserve.model.devices import DRAFTER_DTYPES, DTYPES
 from specserve.model.invariant_attention import ATTENTION_MODES
 from specserve.model.quantize import DEFAULT_GROUP_SIZE, HEAD_MODES, INT4_GROUP_SIZES, QUANTIZE_MODES, Quantization
@@ -159,6 +160,12 @@ class DeploymentSettings:
              "shaped by its own position alone, so a verify row rounds as its decode step would and greedy output "
              "with --dtype bfloat16 and --quantize int8|int4 (with --quantize-head int8) equals plain "
              "decoding token for token (CPU, one process)")
+    # The kernel of the target's dense linears on a CPU (model/dense_linear.py): float32 BLAS
+    # measured 2.3x slower than oneDNN at 1 row here, and worse at the 2-3 rows of a short verify.
+    linear_kernel: str = setting(
+        "auto", param=STR, choices=LINEAR_KERNELS,
+        help="the target's dense linear layers: onednn (PyTorch's oneDNN linear, CPU), aten (nn.Linear as "
+             "PyTorch dispatches it) or auto (onednn for a float32 target on a CPU, one process)")
     # Never affects the output, which the target verifies. Remote drafters run their exported
     # fp32 ONNX models.
     drafter_dtype: str = setting(
