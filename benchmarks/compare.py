@@ -17,6 +17,7 @@ Rows (a row is one system at one temperature and concurrency):
                          (fastest at c = 1, greedy) on bf16, int8, int4 (--quantize), the kept
                          Q4_1 target (--kept-q4, from `specserve import-gguf --keep-quantized`)
                          the *_head8 rows (--quantize-head int8) and *_pq (--attention per-query),
+                         fp32_aten (--linear-kernel aten: fp32's dense linears on BLAS, not oneDNN),
                          alternated with each other; the peers are not rerun there (set pass 2's
                          rows beside pass 1's llama.cpp rows knowing that).
     hf_generate, hf_prompt_lookup, hf_assisted
@@ -94,6 +95,7 @@ class TargetConfig:
     kept: bool = False          # the folder holds kept Q4_1 weights (served as they are)
     head: str = "none"          # --quantize-head: the LM head's quantization (its matmul is a fifth of a step)
     attention: str = "batched"  # --attention per-query: bf16 verify rows get their decode steps' bits
+    linear: str = "auto"        # --linear-kernel: aten keeps fp32's dense linears on BLAS (model/dense_linear.py)
 
     @property
     def exact(self) -> bool:
@@ -104,7 +106,8 @@ class TargetConfig:
 
 # The quantized kernels are fast with bf16 activations and slow with fp32 ones on CPUs
 # (docs/quantize), so both are rows: fp32's is the token-exact one, bf16's the fast one.
-CONFIGS = (TargetConfig("fp32", "float32"), TargetConfig("bf16", "bfloat16"),
+CONFIGS = (TargetConfig("fp32", "float32"), TargetConfig("fp32_aten", "float32", linear="aten"),
+           TargetConfig("bf16", "bfloat16"),
            TargetConfig("int8", "float32", "int8"), TargetConfig("int4", "float32", "int4"),
            TargetConfig("int8_bf16", "bfloat16", "int8"), TargetConfig("int4_bf16", "bfloat16", "int4"),
            TargetConfig("int4_bf16_head8", "bfloat16", "int4", head="int8"),
@@ -283,6 +286,8 @@ def serve_flags(cfg: TargetConfig, drafters: dict[str, Path], args) -> tuple[str
         flags += ["--quantize-head", cfg.head]
     if cfg.attention != "batched":
         flags += ["--attention", cfg.attention]
+    if cfg.linear != "auto":
+        flags += ["--linear-kernel", cfg.linear]
     if args.draft_policy != "adaptive":
         flags += ["--draft-policy", args.draft_policy]
     if not drafters:

@@ -107,6 +107,7 @@ def test_skip_reasons_are_exact(report):
     r, _ = report
     skipped = {s["system"]: s["reason"] for s in r["skipped"]}
     assert skipped == {
+        "fp32_aten none": "left out by --configs",
         "bf16 none": "left out by --configs", "int8 none": "left out by --configs",
         "int4 none": "left out by --configs", "q4_1 none": "left out by --configs",
         "int8_bf16 none": "left out by --configs", "int4_bf16 none": "left out by --configs",
@@ -213,5 +214,7 @@ def test_each_configuration_serves_with_its_own_flags(compare):
         "--dtype", "bfloat16", *common, "--quantize-head", "int8", "--drafter", "eagle=e")
     assert compare.serve_flags(configs["int4_bf16_head8_pq"], {}, args)[-3:] == ("--attention", "per-query", "--no-drafters")
     assert compare.serve_flags(configs["fp32"], {}, args) == ("--dtype", "float32", *common, "--no-drafters")
+    assert compare.serve_flags(configs["fp32_aten"], {}, args) == (
+        "--dtype", "float32", *common, "--linear-kernel", "aten", "--no-drafters")
     # Lossless is checked exactly where it is promised: fp32 activations, or per-query attention.
-    assert {c.name for c in compare.CONFIGS if c.exact} == {"fp32", "int8", "int4", "q4_1", "int4_bf16_head8_pq"}
+    assert {c.name for c in compare.CONFIGS if c.exact} == {"fp32", "fp32_aten", "int8", "int4", "q4_1", "int4_bf16_head8_pq"}
