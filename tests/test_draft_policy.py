@@ -338,3 +338,55 @@ def test_engine_contention_on_target_and_drafter_alike_keeps_drafting(target):
     model.slowdown, drafter.seconds = 20.0, 0.1   # a neighbour makes everything 20× slower
     assert steps(engine, 30) == [8] * 30
     assert engine._by_id["r"].stats.policy_last["verify_slowdown"] == pytest.approx(20.0)
+
+
+# -- a static step (DSPark): drafting inside the step, its cost the part the table does not explain --
+def test_a_static_steps_drafting_is_what_the_verify_table_does_not_explain():
+    """Steps of widths 1 and 2 that cost the table's verify + (1 ms + 2 ms per drafted token):
+    the fitted draft cost is that line (17 ms at the full width 8), also when every step runs
+    twice as slow as the table under contention the dynamic verifies measured."""
+    for slowdown in (1.0, 2.0):
+        policy = DraftPolicy(TABLE, 8)
+        if slowdown != 1.0:
+            policy.verified(1, 1, TABLE.cost(1, 1) * slowdown)
+        for i in range(COST_WINDOW):
+            w = 1 + i % 2
+            policy.static_step("d", 1, w, (TABLE.cost(1, 1 + w) + 0.001 + 0.002 * w) * slowdown)
+        assert policy.estimates()["d"].draft_ms == pytest.approx(17.0)
+    policy.static_step("d", 1, 0, 1.0)   # width 0: no drafting, nothing to learn
+    assert policy.estimates()["d"].draft_ms == pytest.approx(17.0)
+
+
+def _dspark_engine(model, table: CostTable):
+    from specserve.methods.dspark.proposer import DSParkProposer
+    from test_eagle import random_drafter
+
+    kw = dict(max_num_seqs=4, max_model_len=128, max_draft_len=5)
+    engine = Engine(model, EngineConfig(draft_policy="adaptive", **kw),
+                    {"dspark": DSParkProposer(random_drafter(model, seed=1), model, threshold=None, **kw)},
+                    eos_token_ids=())
+    engine.cost_table = table
+    return engine
+
+
+def test_dspark_follows_the_adaptive_policy_off_where_width_is_dear(target):
+    """Under a table where every drafted token costs a full step, dspark runs its width-0 step
+    (no token drafted) after the optimistic start, with the plain tokens; under a flat table it
+    drafts on most steps. A fixed-policy request on the same engine keeps drafting."""
+    prompts = [GenerationRequest(str(i), p, SamplingParams(max_tokens=24), "dspark") for i, p in enumerate(PROMPTS)]
+    plain = Engine(target, EngineConfig(max_num_seqs=4, max_model_len=128), {}, eos_token_ids=()).generate(
+        [dataclasses.replace(r, method="none") for r in prompts])
+    steep = CostTable((1, 4), (1, 9), ((0.01, 0.09), (0.04, 0.36)))
+    flat = CostTable((1, 4), (1, 9), ((0.01, 0.01), (0.01, 0.0101)))
+    dear = _dspark_engine(target, steep).generate(prompts)
+    cheap = _dspark_engine(target, flat).generate(prompts)
+    for rid, out in plain.items():
+        assert dear[rid].new_token_ids == out.new_token_ids == cheap[rid].new_token_ids, rid
+    # the optimistic prior drafts the first steps; then off, with a probe every PROBE_EVERY steps
+    off = [o.stats.policy_off_steps for o in dear.values()]
+    assert all(n > 0 for n in off) and sum(o.stats.drafts for o in dear.values()) < sum(o.stats.steps for o in dear.values()) / 2
+    assert sum(o.stats.policy_off_steps for o in cheap.values()) == 0
+    assert sum(o.stats.drafts for o in cheap.values()) > 0
+    fixed = _dspark_engine(target, steep).generate([dataclasses.replace(prompts[0], draft_policy="fixed")])["0"]
+    assert fixed.new_token_ids == plain["0"].new_token_ids and fixed.stats.policy_off_steps == 0
+    assert fixed.stats.drafts >= fixed.stats.steps - 1   # all but a last step with no room left

@@ -174,7 +174,7 @@ def static_sampler(logits, draft: Draft, params, g, *, pad: int = 1) -> Verdict:
         probs = torch.cat([draft.probs, torch.full((pad, V), 1.0 / V)])[None]
     # "plain" rows (no top-k / top-p) take warp's sort-free variant, as a served step would
     acc = acceptance(full, tokens, torch.tensor([len(draft)]), SamplingTensors.from_params([params], "cpu"),
-                     probs, uniforms_for([g], K + 1, "cpu"), sampled=True, truncated=truncates([params]))
+                     probs, uniforms_for([g], K + 1, "cpu"), sampled=True, truncated=truncates([params], V))
     n = int(acc.counts[0])
     return Verdict(list(range(n - 1)), acc.emitted[0, :n].tolist(), n - 1 == len(draft))
 
@@ -206,10 +206,29 @@ def test_static_sampled_acceptance_matches_target_distribution(pname):
 
 
 def test_truncates_names_the_rows_that_need_the_vocabulary_sorts():
-    assert not truncates([None, SamplingParams(), SamplingParams(temperature=0.7)])
-    assert truncates([None, SamplingParams(temperature=0.7, top_k=40)])
-    assert truncates([SamplingParams(temperature=0.7, top_p=0.9)])
-    assert not truncates([SamplingParams(top_k=40)])   # greedy: its top-k is never used
+    V = 100
+    assert not truncates([None, SamplingParams(), SamplingParams(temperature=0.7)], V)
+    assert truncates([None, SamplingParams(temperature=0.7, top_k=40)], V)
+    assert truncates([SamplingParams(temperature=0.7, top_p=0.9)], V)
+    assert not truncates([SamplingParams(top_k=40)], V)   # greedy: its top-k is never used
+    # top-k at or past the vocabulary keeps every token, as target_probs treats it
+    assert not truncates([SamplingParams(temperature=0.7, top_k=V)], V)
+    assert truncates([SamplingParams(temperature=0.7, top_k=V - 1)], V)
+
+
+def test_a_top_k_the_rule_calls_no_cut_leaves_target_probs_untouched():
+    """SamplingParams.truncates is the rule target_probs follows: where it says no cut, the
+    reference distribution is the plain tempered softmax (and a cutting top-k is not)."""
+    from specserve.core.sampling import target_probs
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    plain = (logits / 0.7).softmax(-1)
+    for k in (0, 50, 80):
+        p = SamplingParams(temperature=0.7, top_k=k)
+        assert not p.truncates(50) and torch.equal(target_probs(logits, p), plain)
+    cut = SamplingParams(temperature=0.7, top_k=49)
+    assert cut.truncates(50) and not torch.allclose(target_probs(logits, cut), plain)
 
 
 def test_warp_without_truncation_is_the_full_warp_bit_for_bit():

@@ -50,6 +50,11 @@ from before the slowdown showed a gain above HYSTERESIS and the calls had one wi
 window mixing widths fits a slope across slow and fast calls, which can take longer). A drafter that failed instead (unloaded,
 raising) never changed the estimates, so it drafts again on its first successful call.
 
+Static steps (DSPark: drafting inside the one computation, so no call to time apart): the
+engine caps their rows the same way, and `static_step` charges drafting with the part of the
+step's seconds that the verify table does not explain at that width (in table units), which also
+holds the step's fixed ingest: an over-estimate, so the policy errs toward plain steps.
+
 k = 0 (plain decoding) is always a candidate and its estimate is a measured plain step, so the
 policy drafts only where it expects a gain. Rows whose request asks for the fixed policy keep
 their own length, and the verify width they force is taken into account.
@@ -352,6 +357,21 @@ class DraftPolicy:
             if not p.started:   # the start is the proposer's first COST_WINDOW calls
                 p.start_fit, p.started = p.cost.fit(), p.cost.full
         self._pending = []
+
+    def static_step(self, name: str, batch: int, width: int, seconds: float) -> None:
+        """A static step of proposer `name` (DSPark: drafting, verify and acceptance in one
+        computation, no separate timings) over `batch` rows at drafted width `width` took
+        `seconds`. Its drafting is the part the verify table does not explain:
+        seconds / slowdown − c(batch, 1 + width), in profile-time seconds, the slowdown being that
+        of recent dynamic verifies (1 when none ran). The remainder also holds what the static step
+        pays at width 0 (its drafter's ingest), so drafting is charged a little more than it
+        costs: the policy errs toward plain steps."""
+        if width <= 0:
+            return
+        p = self._get(name)
+        p.cost.update(width, max(seconds / self.verify_slowdown - self.table.cost(batch, 1 + width), 0.0))
+        if not p.started:
+            p.start_fit, p.started = p.cost.fit(), p.cost.full
 
     def accepted(self, name: str, drafted: Sequence[int], accepted: Sequence[int], caps: Sequence[int]) -> None:
         """This step's rows of proposer `name` whose draft did not fail (a probe's count PROBE_EVERY times)."""

@@ -679,15 +679,21 @@ class Engine:
         by_proposer: dict[str, list[_Sequence]] = {}
         for s in seqs:
             by_proposer.setdefault(s.proposer.name, []).append(s)
-        for group in by_proposer.values():
+        for name, group in by_proposer.items():
+            # The adaptive policy caps the group's draft length as it does a dynamic proposer's
+            # (k = 0: the static step of width 0, a plain step that keeps the drafter's state).
+            self._plan(group)
             rows = []
             for s in group:
                 cap = self.cfg.max_draft_len if s.req.num_draft_tokens is None else s.req.num_draft_tokens
+                if s.step_cap is not None:
+                    cap = min(cap, s.step_cap)
                 room = min(cap, s.req.params.max_tokens - s.num_output - 1, self.cfg.max_model_len - len(s.tokens))
-                rows.append(StaticRow(s.seq_id, s.slot, s.tokens, self.cache.lengths[s.slot], max(room, 0),
-                                      s.req.params, s.generator, _features(s, s.proposer.name),
+                s.step_room = max(room, 0)
+                rows.append(StaticRow(s.seq_id, s.slot, s.tokens, self.cache.lengths[s.slot], s.step_room,
+                                      s.req.params, s.generator, _features(s, name),
                                       s.req.spec_threshold, s.seed))
-                s.feature_chunks.pop(s.proposer.name, None)
+                s.feature_chunks.pop(name, None)
             t0 = self._clock()
             outcomes = group[0].proposer.step(rows)
             elapsed = self._clock() - t0
@@ -696,6 +702,13 @@ class Engine:
                 s.stats.verify_seconds += elapsed
                 s.stats.record(o.num_drafted, o.num_accepted)
                 self._emit(s, o.emitted)
+            if self.policy is not None:
+                width = max(o.width for o in outcomes)
+                self.policy.static_step(name, len(group), width, elapsed)
+                # Every row verifies the step's width whatever its cut, so that is what it
+                # "drafted" for the cost of a verify; positions past min(room, width) were not tried.
+                self.policy.accepted(name, [width] * len(group), [o.num_accepted for o in outcomes],
+                                     [min(s.step_room, width) for s in group])
 
     def _forward(self, tokens, positions, slots, starts, mask) -> torch.Tensor:
         return self._forward_all(tokens, positions, slots, starts, mask).hidden

@@ -96,7 +96,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.greedy:
         raise ValueError("greedy decoding has no sampling distribution; use argmax")
     x = logits.float() / params.temperature
-    if params.top_k and params.top_k < x.shape[-1]:
+    if params.top_k_cuts(x.shape[-1]):
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]  # [N, 1]
         x = x.masked_fill(x < kth, float("-inf"))
     if params.top_p < 1.0:

@@ -34,6 +34,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def top_k_cuts(self, vocab_size: int) -> bool:
+        """top-k removes tokens from a vocabulary of this size (0 is off; k >= V keeps all)."""
+        return 0 < self.top_k < vocab_size
+
+    def truncates(self, vocab_size: int) -> bool:
+        """Sampling cuts the tempered distribution (top-k or top-p): the one rule both
+        sampling.target_probs and the static step's graph variant (static_step.truncates) follow."""
+        return not self.greedy and (self.top_k_cuts(vocab_size) or self.top_p < 1.0)
+
     def validate(self, *, max_tokens_limit: int | None = None) -> None:
         """Raise ValueError naming the first bad field."""
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:

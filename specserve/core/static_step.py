@@ -115,10 +115,11 @@ class SamplingTensors:
                    seed_tensor([p.seed if c else 0 for c, p in zip(coupled, params)], device))
 
 
-def truncates(params: list[SamplingParams | None]) -> bool:
-    """Whether some sampled row truncates its distribution (top-k or top-p): a host-side choice
-    of the graph variant, made from the rows' parameters like `sampled` and `seeded`."""
-    return any(p is not None and not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params)
+def truncates(params: list[SamplingParams | None], vocab_size: int) -> bool:
+    """Whether some sampled row truncates its distribution over `vocab_size` tokens
+    (SamplingParams.truncates: top-k below V, or top-p < 1): a host-side choice of the graph
+    variant, made from the rows' parameters like `sampled` and `seeded`."""
+    return any(p is not None and p.truncates(vocab_size) for p in params)
 
 
 def warp(logits: torch.Tensor, s: SamplingTensors, *, truncated: bool = True) -> torch.Tensor:
@@ -348,6 +349,7 @@ class StaticOutcome:
     emitted: list[int]   # accepted drafted tokens, then the recovered / bonus one
     num_drafted: int     # drafted tokens that counted (after the calibrated cut and the room)
     new_length: int      # committed KV entries after the step (apply with KVCache.truncate)
+    width: int = 0       # K: the step's drafted width, verified for every row whatever its cut
 
     @property
     def num_accepted(self) -> int:

@@ -162,7 +162,7 @@ class DSParkProposer(ProposerDefaults):
         K = self.choose_k(rows)
         sampled = any(not r.params.greedy for r in rows)
         coupled = any(r.seed is not None for r in rows)
-        truncated = truncates([r.params for r in rows])
+        truncated = truncates([r.params for r in rows], self.target.cfg.vocab_size)
         S = span_for(max(r.length for r in rows) + K + 1, self._cache_len, self.span_set)
         fresh = [r for r in rows if r.seq_id not in self.eagle._seqs]
         h_fresh = torch.zeros(B, self.drafter.cfg.hidden_size, dtype=self.eagle.dtype, device=dev)
@@ -208,7 +208,7 @@ class DSParkProposer(ProposerDefaults):
             # Cut by the head (or the room) before K: probe one past it next step. Drafted all K:
             # K was the limit, not the head, so the next step may draft the full length.
             self._last_cut[r.seq_id] = drafted if drafted < K else self.max_draft_len
-            outcomes.append(StaticOutcome(out[b, :count].tolist(), drafted, r.length + count))
+            outcomes.append(StaticOutcome(out[b, :count].tolist(), drafted, r.length + count, K))
         return outcomes
 
     # -- the static computation ------------------------------------------------------------------------
