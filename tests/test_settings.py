@@ -24,7 +24,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(DeploymentSettings)}
 CHANGED = dict(checkpoint=(DEMO / "target").resolve(), max_num_seqs=3, max_model_len=256, max_draft_len=15,
                default_method="ngram", drafters=(("dflash", str((DEMO / "dflash").resolve())),),
                placement="remote", mtp_placement="fused", spec_threshold=None, dtype="bfloat16",
-               quantize="int4", quantize_group_size=64, quantize_head="int8", attention="per-query", drafter_dtype="float32", device="cpu", tensor_parallel=2, remote_timeout_s=2.5, max_queue_len=7, draft_policy="fixed", block_size=16,
+               quantize="int4", quantize_group_size=64, quantize_head="int8", attention="per-query", linear_kernel="aten", drafter_dtype="float32", device="cpu", tensor_parallel=2, remote_timeout_s=2.5, max_queue_len=7, draft_policy="fixed", block_size=16,
                internal_key="k", tiers=(Tier("vip", "ngram", priority=3),), drafter_backend="onnxruntime",
                text_classifier="clf", dflash_text_types=("code", "prose"))
 
@@ -58,7 +58,7 @@ def test_settings_come_from_the_serve_flags():
     flags = ["serve", "--target", str(CHANGED["checkpoint"]), "--max-num-seqs", "3", "--max-model-len", "256",
              "--max-draft-len", "15", "--default-method", "ngram", "--placement", "remote", "--mtp-placement",
              "fused", "--spec-threshold", "0.5", "--dtype", "bfloat16", "--quantize", "int4", "--quantize-group-size", "64",
-             "--quantize-head", "int8", "--attention", "per-query",
+             "--quantize-head", "int8", "--attention", "per-query", "--linear-kernel", "aten",
              "--drafter-dtype", "float32", "--device",
              "cpu", "--tensor-parallel", "2", "--remote-timeout", "2.5", "--max-queue-len", "7", "--draft-policy", "fixed", "--dflash-block-size", "16",
              "--drafter-backend", "onnxruntime", "--text-classifier", "clf", "--dflash-text-types", "code,prose"]
