@@ -486,6 +486,14 @@ class Engine:
             return int(logits.argmax())
         return sample(target_probs(logits[None], seq.req.params)[0], seq.generator)
 
+    def _room(self, s: _Sequence) -> int:
+        """Tokens row `s` may draft this step: its cap (the request's, then the policy's), never
+        past max_tokens or the model length (the step adds one more token)."""
+        cap = self.cfg.max_draft_len if s.req.num_draft_tokens is None else s.req.num_draft_tokens
+        if s.step_cap is not None:
+            cap = min(cap, s.step_cap)
+        return max(min(cap, s.req.params.max_tokens - s.num_output - 1, self.cfg.max_model_len - len(s.tokens)), 0)
+
     def _draft(self, seqs: list[_Sequence]) -> list[Draft]:
         drafts: dict[int, Draft] = {}
         by_proposer: dict[str, list[_Sequence]] = {}
@@ -495,13 +503,7 @@ class Engine:
         for name, group in by_proposer.items():
             requests, idle = [], []
             for s in group:
-                # Never draft past max_tokens or the model length: the step adds one more token.
-                cap = self.cfg.max_draft_len if s.req.num_draft_tokens is None else s.req.num_draft_tokens
-                if s.step_cap is not None:
-                    cap = min(cap, s.step_cap)
-                room = min(cap, s.req.params.max_tokens - s.num_output - 1,
-                           self.cfg.max_model_len - len(s.tokens))
-                s.step_room = max(room, 0)
+                room = s.step_room = self._room(s)
                 if room <= 0:
                     # Nothing to draft (the policy's cap, or the end of the request): no call. The
                     # features wait for the next call, which takes them all at once.
@@ -685,11 +687,7 @@ class Engine:
             self._plan(group)
             rows = []
             for s in group:
-                cap = self.cfg.max_draft_len if s.req.num_draft_tokens is None else s.req.num_draft_tokens
-                if s.step_cap is not None:
-                    cap = min(cap, s.step_cap)
-                room = min(cap, s.req.params.max_tokens - s.num_output - 1, self.cfg.max_model_len - len(s.tokens))
-                s.step_room = max(room, 0)
+                s.step_room = self._room(s)
                 rows.append(StaticRow(s.seq_id, s.slot, s.tokens, self.cache.lengths[s.slot], s.step_room,
                                       s.req.params, s.generator, _features(s, name),
                                       s.req.spec_threshold, s.seed))

@@ -3,9 +3,9 @@
 `nn.Linear` on a CPU in float32 calls PyTorch's BLAS path (MKL `sgemm`). Measured on this
 project's 2-core AMD EPYC (benchmarks/dense_kernels.py, docs/kernels/): a decode step's 30
 gate/up projections (30 distinct 3072 x 576 weights, so they stream from memory as in a forward)
-take 21.7 ms at 1 row, 36 ms at 2 rows and 42 ms at 3, against 9.6 / 11.5 / 11.7 ms through
+take 19.9 ms at 1 row, 34.0 ms at 2 rows and 39.4 ms at 3, against 8.9 / 11.0 / 11.4 ms through
 oneDNN (`torch.ops.mkldnn._linear_pointwise`, the op Inductor's CPU fusion passes emit) — a
-verify of 2-3 tokens, the width weak drafters actually use, paid 1.7-1.9x a plain step in the
+verify of 2-3 tokens, the width weak drafters actually use, paid 1.7-2.0x a plain step in the
 BLAS path. bfloat16 linears already run on oneDNN, so only float32 has a choice.
 
 Kernels (`--linear-kernel`):
