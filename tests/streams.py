@@ -59,23 +59,43 @@ def scrape_metrics(url: str) -> dict[str, float]:
 class DrafterHold:
     """The fault hook's `hold` (specserve/serving/fault_injection.py) from the test's side: the
     engine stops inside its next drafter call, so what the test does meanwhile happens while the
-    requests of that call are provably in flight, however fast they would otherwise finish."""
+    requests of that call are provably in flight, however fast they would otherwise finish.
+    `next()` lets the held call go on and holds the one after it: every drafter call in between
+    is held, whatever the load (a release followed by a new hold let busy-machine steps slip
+    through unheld, and streams ended before the test had taken its steps)."""
 
     def __init__(self, fault_file: Path):
         self.file, self.marker = fault_file, fault_file.with_name(fault_file.name + ".held")
+        self._last = 0     # the last call this test released
 
     def hold(self) -> None:
         self.file.write_text("hold")
 
+    def _held_call(self) -> int:
+        """The number of the call held now, or 0 (none, or one this test already released)."""
+        try:
+            text = self.marker.read_text()
+        except OSError:
+            return 0
+        n = int(text) if text.isdigit() else 0
+        return n if n > self._last else 0
+
     def wait_held(self, futures: Sequence[Future], timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout
-        while not self.marker.exists():
+        while not self._held_call():
             assert not any(f.done() for f in futures), "a stream ended before the engine was held"
             assert time.monotonic() < deadline, "the engine made no drafter call to hold"
             time.sleep(0.05)
 
+    def next(self) -> None:
+        """Lets the held call go on; the engine's next drafter call holds (wait_held for it)."""
+        n = self._held_call()
+        assert n, "no drafter call is held"
+        self._last = n
+        self.file.write_text(f"released {n}")
+
     def release(self, timeout: float = 600) -> None:
-        """Lets the held call go on and waits until it has (so a next hold holds the next call)."""
+        """Lets the held call go on and waits until it has; later calls run unheld."""
         self.file.write_text("")
         deadline = time.monotonic() + timeout
         while self.marker.exists():

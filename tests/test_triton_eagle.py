@@ -232,9 +232,8 @@ def test_unloading_a_drafter_of_mtp_proposal_during_eight_streams_fails_nothing(
             for i, (action, model) in enumerate(steps):
                 hold.wait_held(futures)
                 getattr(drafters, action)(server.grpc_url, model, server.admin_key)
-                hold.release()
                 if i + 1 < len(steps):
-                    hold.hold()
+                    hold.next()        # the streams' next drafter call holds in turn
         finally:
             hold.release()
         results = [f.result() for f in futures]
