@@ -63,6 +63,24 @@ def test_imported_folder_equals_transformers_gguf_load(tmp_path, capsys, arch, q
     assert im_end in load_config(out).eos_token_ids
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_an_import_parses_the_file_once(tmp_path, monkeypatch, keep):
+    """transformers' loading would parse the file for the config, the tokenizer and the weights,
+    and inspect_gguf (and --keep-quantized) once more: the import shares one reader, and the
+    library's own reader is back in place afterwards."""
+    real, parses = gguf.GGUFReader, []
+
+    def counting(path, mode="r"):
+        parses.append(str(path))
+        return real(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting)
+    src = write_tiny_gguf(tmp_path / "llama.gguf", arch="llama", qtype="Q4_1" if keep else "Q8_0")
+    import_gguf(src, tmp_path / "imported", keep_quantized=keep)
+    assert parses == [str(src)]
+    assert gguf.GGUFReader is counting
+
+
 def test_unsupported_architecture_is_named(tmp_path):
     path = tmp_path / "phi3.gguf"
     w = gguf.GGUFWriter(str(path), "phi3")

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 # GGUF's general.architecture values we serve (Mistral GGUFs say "llama"; Qwen2's say "qwen2").
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -62,15 +64,43 @@ def _can_dequantize(tensor) -> bool:
     return True
 
 
+@contextmanager
+def parsed_once() -> Iterator[None]:
+    """Within it, every `gguf.GGUFReader(path)` of one file returns one parsed reader.
+
+    transformers' GGUF loading parses the whole file again for the config, the tokenizer and the
+    weights (`load_gguf_checkpoint` builds a GGUFReader each time), and the reader's parse is slow
+    for a large vocabulary: on SmolLM2 (49 152 tokens, 48 900 merges: about 590 000 metadata
+    parts, each a numpy memmap view) it was most of an import's time, four parses of one file.
+    The reader is read-only (a memmap of the file), so sharing it changes nothing it returns."""
+    import gguf
+
+    real = gguf.GGUFReader
+    readers: dict[tuple[str, str], object] = {}
+
+    def shared(path, mode="r"):
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = real(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
+
+
 def inspect_gguf(path: str | Path) -> GGUFSummary:
     """What import_gguf needs to know before loading the weights."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    import gguf
+    from gguf import GGMLQuantizationType
 
     path = Path(path)
     if not path.is_file():
         raise GGUFImportError(f"{path} does not exist")
     try:
-        reader = GGUFReader(str(path))
+        reader = gguf.GGUFReader(str(path))   # looked up here: parsed_once may share it
     except (ValueError, OSError) as e:  # gguf raises ValueError for a file without the GGUF magic
         raise GGUFImportError(f"{path} is not a readable GGUF file: {e}") from None
     arch = _field(reader, "general.architecture")
@@ -99,19 +129,23 @@ def check_importable(summary: GGUFSummary, path: Path) -> None:
 def import_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float32",
                 keep_quantized: bool = False) -> Path:
     """Write the checkpoint folder `out_dir` from `gguf_file`; returns out_dir."""
+    if dtype not in DTYPES:
+        raise GGUFImportError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    with parsed_once():
+        return _import(Path(gguf_file).resolve(), Path(out_dir), dtype, keep_quantized)
+
+
+def _import(gguf_file: Path, out: Path, dtype: str, keep_quantized: bool) -> Path:
+    import gguf
     import torch
     import transformers
-    from gguf import GGUFReader
 
     from specserve.model.gguf_q4 import GGUFKeepError, check_keepable, kept_projections
     from specserve.model.q4_checkpoint import KEPT_FILE
 
-    if dtype not in DTYPES:
-        raise GGUFImportError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    gguf_file, out = Path(gguf_file).resolve(), Path(out_dir)
     summary = inspect_gguf(gguf_file)
     check_importable(summary, gguf_file)
-    reader = GGUFReader(str(gguf_file)) if keep_quantized else None
+    reader = gguf.GGUFReader(str(gguf_file)) if keep_quantized else None
     if reader is not None:   # refused before the slow dequantizing load
         layers = int(_field(reader, f"{summary.architecture}.block_count"))
         try:
