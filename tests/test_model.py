@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -147,3 +148,49 @@ def test_eos_ids_come_from_generation_config_as_well(tmp_path):
     (tmp_path / "ckpt" / "generation_config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="generation_config.json is not valid JSON"):
         load_config(path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_gives_the_bits_of_its_reference_formulation(tiny_ckpt, dtype):
+    """Attention ropes q's and k's heads in one call and the forward hands SDPA its additive mask
+    made once (fewer operator calls a step): the same bits as roping q and k apart and giving SDPA
+    the boolean mask in every layer, which is what this reference computes."""
+    import torch.nn.functional as F
+    from specserve.model.rope import apply_rope
+    from specserve.model.transformer import additive_mask
+
+    model = load_model(tiny_ckpt, dtype=dtype)
+    attn, cfg = model.layers[0].self_attn, model.cfg
+    H, Hkv, hd = attn.heads, attn.kv_heads, cfg.head_dim
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, cfg.hidden_size, dtype=dtype)
+    # Row 0 sees its 3 earlier entries, row 1 does not; both are causal over the 7 new ones.
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()
+    mask = torch.cat([torch.tensor([True, False])[:, None, None].expand(2, 7, 3), causal.expand(2, 7, 7)], -1)
+    positions = torch.arange(7)[None] + torch.tensor([[3], [0]])    # [2, 7]
+    cos, sin = model.rotary(positions, dtype)
+    with torch.inference_mode():
+        q, k, v = attn.qkv_proj(x).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+        q, k, v = (t.view(2, 7, n, hd).transpose(1, 2) for t, n in ((q, H), (k, Hkv), (v, Hkv)))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_all = torch.cat([torch.randn(2, Hkv, 3, hd, dtype=dtype), k], 2)
+        v_all = torch.cat([torch.randn(2, Hkv, 3, hd, dtype=dtype), v], 2)
+
+        class Pool:     # the cache: 3 earlier entries per row, then this forward's 7
+            def write(self, layer, slots, starts, k_new, v_new):
+                assert torch.equal(k_new, k) and torch.equal(v_new, v)
+
+            def read(self, layer, slots, span):
+                return k_all[:, :, :span], v_all[:, :, :span]
+
+        want = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask[:, None], enable_gqa=H != Hkv)
+        want = attn.o_proj(want.transpose(1, 2).reshape(2, 7, H * hd))
+        batch = ForwardBatch(torch.zeros(2, 7, dtype=torch.long), positions, torch.tensor([0, 1]),
+                             torch.tensor([3, 3]), additive_mask(mask, dtype))
+        got = attn(x, cos, sin, batch, Pool())
+    assert torch.equal(got, want)
+    fewer = mask.clone()
+    fewer[0, :, 0] = False       # the control: row 0 no longer sees its first entry
+    with torch.inference_mode():
+        other = attn(x, cos, sin, replace(batch, mask=additive_mask(fewer, dtype)), Pool())
+    assert torch.equal(other[1], got[1]) and not torch.equal(other[0], got[0])

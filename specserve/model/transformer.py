@@ -129,11 +129,12 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, Hkv, hd = self.heads, self.kv_heads, self.cfg.head_dim
         qkv = self.qkv_proj(x)  # [B, T, (H + 2 Hkv) hd]
-        q, k, v = qkv.split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
-        q = q.view(B, T, H, hd).transpose(1, 2)     # [B, H, T, hd]
-        k = k.view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
+        qk, v = qkv.split([(H + Hkv) * hd, Hkv * hd], dim=-1)
+        # RoPE on q's and k's heads in one pass: the same elementwise arithmetic (the same bits)
+        # in half the operator calls, which a small model's decode step is made of on a CPU.
+        qk = apply_rope(qk.view(B, T, H + Hkv, hd).transpose(1, 2), cos, sin)  # [B, H + Hkv, T, hd]
+        q, k = qk[:, :H], qk[:, H:]                 # [B, H, T, hd], [B, Hkv, T, hd]
         v = v.view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
             out = self._attend(q, k, v, batch.mask, plan)
         else:
@@ -151,7 +152,7 @@ class Attention(nn.Module):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                 plan: QueryPlan | None) -> torch.Tensor:
-        """q [B, H, T, hd], k, v [B, Hkv, S, hd], mask [B, T, S] → [B, H, T, hd]."""
+        """q [B, H, T, hd], k, v [B, Hkv, S, hd], mask [B, T, S] (bool, or additive in q's dtype) → [B, H, T, hd]."""
         gqa = self.kv_heads != self.heads
         if plan is not None:
             return per_query_attention(q, k, v, plan)
@@ -226,6 +227,10 @@ class Transformer(nn.Module):
         # forward is a prompt prefill, the same call in a plain and a speculative run.
         per_query = self.per_query_attention and batch.tokens.shape[1] <= PER_QUERY_MAX_QUERIES
         plan = query_plan(batch.mask, batch.positions, self.dtype) if per_query else None
+        if plan is None:
+            # The boolean mask as SDPA's additive one, made once: SDPA converts a boolean mask to
+            # exactly this (0 where allowed, -inf elsewhere, in the query's dtype) in every layer.
+            batch = replace(batch, mask=additive_mask(batch.mask, x.dtype))
         layer_hidden: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, batch, cache, plan)
@@ -241,6 +246,11 @@ class Transformer(nn.Module):
     def score(self, tokens: torch.Tensor) -> torch.Tensor:
         """Plain causal forward without a cache: tokens [B, T] → logits [B, T, V]."""
         return self.logits(self.forward(causal_batch(tokens, self.cfg.sliding_window), cache=None).hidden)
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """mask [B, T, S] bool (True = may attend) → [B, T, S] in `dtype`: 0 where True, -inf where not."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def causal_batch(tokens: torch.Tensor, sliding_window: int | None) -> ForwardBatch:
