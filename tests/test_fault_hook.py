@@ -4,9 +4,6 @@ turn, so a test acts between consecutive calls with none slipping through unheld
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import Future
-
 import pytest
 
 from specserve.serving import fault_injection
@@ -30,30 +27,6 @@ def hooked(tmp_path, monkeypatch):
     proposer = Counting()
     fault_injection.inject({"eagle": proposer})
     return fault, proposer
-
-
-def test_each_call_is_held_until_the_test_lets_it_go(hooked):
-    fault, proposer = hooked
-    hold = DrafterHold(fault)
-    hold.hold()
-    results: list[list[str]] = []
-    # The engine's loop: drafter calls one after another, as fast as it can.
-    loop = threading.Thread(target=lambda: results.extend(proposer.propose([]) for _ in range(5)))
-    running: Future = Future()
-    loop.start()
-    try:
-        for k in range(3):
-            hold.wait_held([running])
-            assert proposer.done == k        # call k + 1 is held: none went on unheld
-            hold.next()
-        hold.wait_held([running])
-        assert proposer.done == 3
-    finally:
-        hold.release()
-        loop.join(10)
-    assert not loop.is_alive()
-    assert results == [[f"draft {i}"] for i in range(1, 6)]
-    assert not hold.marker.exists()
 
 
 def test_next_without_a_held_call_is_refused(hooked):
