@@ -68,8 +68,15 @@ class DrafterHold:
         self.file, self.marker = fault_file, fault_file.with_name(fault_file.name + ".held")
         self._last = 0     # the last call this test released
 
+    def _say(self, text: str) -> None:
+        """Replace the fault file whole: written in place, it is empty for a moment, and a drafter
+        call reading it then goes on unheld (seen: every call of a loop slipping through)."""
+        tmp = self.file.with_name(self.file.name + ".new")
+        tmp.write_text(text)
+        tmp.replace(self.file)
+
     def hold(self) -> None:
-        self.file.write_text("hold")
+        self._say("hold")
 
     def _held_call(self) -> int:
         """The number of the call held now, or 0 (none, or one this test already released)."""
@@ -92,11 +99,11 @@ class DrafterHold:
         n = self._held_call()
         assert n, "no drafter call is held"
         self._last = n
-        self.file.write_text(f"released {n}")
+        self._say(f"released {n}")
 
     def release(self, timeout: float = 600) -> None:
         """Lets the held call go on and waits until it has; later calls run unheld."""
-        self.file.write_text("")
+        self._say("")
         deadline = time.monotonic() + timeout
         while self.marker.exists():
             assert time.monotonic() < deadline, "the held drafter call did not go on"
