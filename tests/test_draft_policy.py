@@ -5,6 +5,7 @@ is not."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -362,9 +363,13 @@ def _dspark_engine(model, table: CostTable):
     from test_eagle import random_drafter
 
     kw = dict(max_num_seqs=4, max_model_len=128, max_draft_len=5)
+    # A clock that moves 1 ms a reading: the steps' measured times, from which the policy fits
+    # the drafting cost, are then the same on a quiet and a loaded machine (with the wall clock a
+    # loaded run once measured drafting dear under the flat table and turned it off).
+    ticks = itertools.count()
     engine = Engine(model, EngineConfig(draft_policy="adaptive", **kw),
                     {"dspark": DSParkProposer(random_drafter(model, seed=1), model, threshold=None, **kw)},
-                    eos_token_ids=())
+                    eos_token_ids=(), clock=lambda: next(ticks) * 0.001)
     engine.cost_table = table
     return engine
 
