@@ -56,6 +56,14 @@ def scrape_metrics(url: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(specserve_\S+) (\S+)$", text, re.MULTILINE)}
 
 
+def write_fault(fault_file: Path, text: str) -> None:
+    """Replace the fault file whole: written in place, it is empty for a moment, and a drafter
+    call reading it then runs without its fault (seen: every call of a loop slipping through)."""
+    tmp = fault_file.with_name(fault_file.name + ".new")
+    tmp.write_text(text)
+    tmp.replace(fault_file)
+
+
 class DrafterHold:
     """The fault hook's `hold` (specserve/serving/fault_injection.py) from the test's side: the
     engine stops inside its next drafter call, so what the test does meanwhile happens while the
@@ -69,11 +77,7 @@ class DrafterHold:
         self._last = 0     # the last call this test released
 
     def _say(self, text: str) -> None:
-        """Replace the fault file whole: written in place, it is empty for a moment, and a drafter
-        call reading it then goes on unheld (seen: every call of a loop slipping through)."""
-        tmp = self.file.with_name(self.file.name + ".new")
-        tmp.write_text(text)
-        tmp.replace(self.file)
+        write_fault(self.file, text)
 
     def hold(self) -> None:
         self._say("hold")

@@ -22,7 +22,7 @@ from specserve.triton.client import StreamClient
 from specserve.triton.launch import TritonServer
 from specserve.serving.settings import DeploymentSettings
 from specserve.triton.render import render_repository
-from streams import DrafterHold, scrape_metrics
+from streams import DrafterHold, scrape_metrics, write_fault
 
 pytestmark = pytest.mark.triton
 
@@ -99,7 +99,7 @@ def test_fused_drafts_again_after_a_contended_phase_and_after_it_raised(fused):
     # machine). The policy turns drafting off and says why: off after the 5th slow call
     # (draft_policy.COST_WINDOW), when at most 5 × 9 of the 64 tokens are out, however long
     # the drafts it chose before were.
-    fused.fault.write_text("1")
+    write_fault(fused.fault, "1")
     slow = gen(fused, CODE[1], max_tokens=64)
     assert slow.text == gen(fused, CODE[1], "none", max_tokens=64).text and slow.spec_stats["policy"]["off_steps"] > 0, slow.spec_stats
     assert slow.spec_stats["policy"]["last"]["draft_cost_vs_start"] > 3, slow.spec_stats
@@ -108,19 +108,19 @@ def test_fused_drafts_again_after_a_contended_phase_and_after_it_raised(fused):
     while scrape_metrics(fused.metrics_url).get(name, 0) <= 3:
         assert time.monotonic() < deadline, scrape_metrics(fused.metrics_url)
         time.sleep(0.2)
-    fused.fault.write_text("")
+    write_fault(fused.fault, "")
     drafts_again(fused, CODE[2], want[CODE[2]])
     got = scrape_metrics(fused.metrics_url)
     assert 'specserve_spec_decode_policy_estimated_gain{proposer="eagle"}' in got
     assert 'specserve_spec_decode_policy_expected_acceptance_length{proposer="eagle"}' in got
     # The fused drafter raises on every call while 8 streams run: all exact, then drafting resumes.
     short = {p: gen(fused, p, "none", max_tokens=32).text for p in CODE}
-    fused.fault.write_text("raise")
+    write_fault(fused.fault, "raise")
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda p: gen(fused, p, max_tokens=32), [CODE[i % 4] for i in range(8)]))
     for i, r in enumerate(results):
         assert r.text == short[CODE[i % 4]] and r.spec_stats["proposer_errors"] > 0
-    fused.fault.write_text("")
+    write_fault(fused.fault, "")
     drafts_again(fused, CODE[3], want[CODE[3]])
 
 

@@ -59,7 +59,8 @@ def _holds(fault: str, n: int) -> bool:
 
 
 def _hold(path: Path) -> str:
-    """Block while the file holds this call; → what the file says once it does not."""
+    """Block while the file holds this call; → the fault to apply once it does not (none when
+    the file released this call)."""
     n = next(_held_calls)
     held = path.with_name(path.name + ".held")
     tmp = held.with_name(held.name + f".{n}")
@@ -69,7 +70,7 @@ def _hold(path: Path) -> str:
         time.sleep(HOLD_POLL_S)
     if _read(held) == str(n):         # released: the test sees call n went on
         held.unlink(missing_ok=True)
-    return fault
+    return "" if fault.startswith(RELEASED + " ") else fault
 
 
 def _faulty(propose, path: Path):
@@ -78,8 +79,6 @@ def _faulty(propose, path: Path):
         fault = _read(path)
         if fault == HOLD or fault.startswith(RELEASED + " "):
             fault = _hold(path)
-            if fault.startswith(RELEASED + " "):
-                fault = ""             # released one call: go on, fault-free
         if fault == "raise":
             raise RuntimeError(f"injected drafter fault ({FAULT_FILE_ENV})")
         if fault:
