@@ -44,7 +44,10 @@ class RopeSpec:
 
     def _base_inv_freq(self, theta: float | None = None) -> torch.Tensor:
         theta = self.theta if theta is None else theta
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+        # On the CPU whatever device context builds the model: the tables are moved to the
+        # positions' device at first use, and arithmetic on "meta" (load_model builds the model
+        # there) would go through torch._refs, whose first call imports torch._dynamo (2 s).
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device="cpu").float() / self.head_dim
         return 1.0 / (theta ** exponents)  # [head_dim/2]
 
     def static_inv_freq(self) -> tuple[torch.Tensor, float]:

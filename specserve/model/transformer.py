@@ -197,7 +197,14 @@ class Transformer(nn.Module):
         super().__init__()
         check_divisible(cfg, shard.world)
         self.cfg, self.shard = cfg, shard
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # replicated when sharded
+        # Replicated when sharded. Built from an empty weight, then initialised as nn.Embedding
+        # would (the same draws), except on "meta" (load_model: the checkpoint fills it): there
+        # normal_ goes through torch._refs, whose first call imports torch._dynamo, 2 s of every
+        # server stub's start that nothing else in serving needs.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        if not self.embed_tokens.weight.is_meta:
+            nn.init.normal_(self.embed_tokens.weight)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
