@@ -46,7 +46,8 @@ def main() -> None:
 
     from specserve.model.transformer import load_model
     from specserve.methods.mtp.heads import export_mtp_onnx, load_mtp_heads
-    from specserve.methods.mtp.remote_drafters import DraftModelService, HeadsOnnxRuntime, load_remote_draft
+    from specserve.methods.mtp.heads_onnx_runtime import HeadsOnnxRuntime
+    from specserve.methods.mtp.remote_drafters import DraftModelService, load_remote_draft
 
     target = load_model(DEMO / "target")
     heads = load_mtp_heads(DEMO / "mtp", target)

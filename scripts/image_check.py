@@ -72,7 +72,7 @@ def check_onnxruntime(image: str, device: bool) -> str:
         raise AssertionError(f"onnxruntime {ort.__version__} lacks {missing} (has {providers})")
     line = f"onnxruntime {ort.__version__}: {', '.join(providers)}"
     if device:
-        from specserve.methods.eagle.onnx_runtime import execution_providers
+        from specserve.methods.onnx_session import execution_providers
 
         chosen = execution_providers("cuda")
         if chosen[0][0] != "CUDAExecutionProvider":

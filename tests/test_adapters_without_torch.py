@@ -1,5 +1,7 @@
-"""The stateless drafter adapters of remote mtp (ngram_drafter, mtp_arbiter) import no torch: each
-is its own Python-backend stub process, loaded and reloaded through model control, and torch's
+"""The drafter adapters that need no torch import none: the stateless ones of remote mtp
+(ngram_drafter, mtp_arbiter) and the ONNX drafters under onnxruntime (eagle_backbone,
+calibration_head, mtp_heads; a seeded row imports torch when it drafts). Each is its own
+Python-backend stub process, loaded and reloaded through model control, and torch's
 import costs seconds of CPU and hundreds of MB there. Checked in a fresh interpreter with a
 stand-in for triton_python_backend_utils (only the stub provides the real one)."""
 
@@ -22,7 +24,8 @@ print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
 """
 
 
-@pytest.mark.parametrize("model", ["ngram_drafter", "mtp_arbiter"])
+@pytest.mark.parametrize("model", ["ngram_drafter", "mtp_arbiter", "eagle_backbone", "calibration_head",
+                                   "mtp_heads"])
 def test_adapter_imports_no_torch(model, tmp_path):
     (tmp_path / "triton_python_backend_utils.py").write_text(
         "class TritonModelException(Exception):\n    pass\n\n\ndef __getattr__(name):\n    return None\n")

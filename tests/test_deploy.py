@@ -322,7 +322,7 @@ def test_gpu_deployments_put_remote_drafters_on_the_gpu(monkeypatch):
     (above) and their --device lets a visible GPU decide, as for the target."""
     import torch
 
-    from specserve.methods.eagle.onnx_runtime import CUDA_PROVIDER, execution_providers
+    from specserve.methods.onnx_session import CUDA_PROVIDER, execution_providers
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     gpu_k8s = yaml.safe_load((K8S / "overlays" / "gpu" / "deployment-gpu.yaml").read_text())

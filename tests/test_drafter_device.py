@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from conftest import make_tiny_checkpoint
-from specserve.methods.eagle.onnx_runtime import (CPU_PROVIDER, CUDA_PROVIDER, execution_providers,
-                                                  inference_session)
+from specserve.methods.onnx_session import (CPU_PROVIDER, CUDA_PROVIDER, execution_providers,
+                                           inference_session)
 
 CPU_ONLY = [CPU_PROVIDER]
 WITH_CUDA = ["TensorrtExecutionProvider", CUDA_PROVIDER, CPU_PROVIDER]

@@ -495,7 +495,8 @@ def test_remote_mtp_proposes_the_fused_trees_with_all_four_drafters(four_drafter
     from specserve.methods.mtp.heads_proposer import MTPHeadsProposer
     from specserve.methods.mtp.proposer import SUBPROPOSERS
     from specserve.methods.mtp.remote import RemoteMTPProposer, draft_call, heads_call, in_process_call
-    from specserve.methods.mtp.remote_drafters import DraftModelService, HeadsOnnxRuntime
+    from specserve.methods.mtp.heads_onnx_runtime import HeadsOnnxRuntime
+    from specserve.methods.mtp.remote_drafters import DraftModelService
 
     target, drafter, report, heads, heads_onnx, drafts = four_drafters
     draft, L, seqs = drafts[draft_kind], 5, 4
@@ -583,7 +584,8 @@ def test_remote_mtp_credits_the_demo_heads_and_draft_model(tmp_path):
     held-out prompts, and accepted tokens are credited to both."""
     from specserve.methods.mtp.heads import export_mtp_onnx, load_mtp_heads
     from specserve.methods.mtp.remote import RemoteMTPProposer, draft_call, heads_call, in_process_call
-    from specserve.methods.mtp.remote_drafters import DraftModelService, HeadsOnnxRuntime, load_remote_draft
+    from specserve.methods.mtp.heads_onnx_runtime import HeadsOnnxRuntime
+    from specserve.methods.mtp.remote_drafters import DraftModelService, load_remote_draft
     from specserve.model.tokenizer import load_tokenizer
 
     demo = ROOT / "models" / "demo"

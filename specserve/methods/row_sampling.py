@@ -12,13 +12,18 @@ from __future__ import annotations
 import numpy as np
 
 from specserve.core.proposer import DraftRequest
-from specserve.core.sampling import SamplingParams, seed_tensor
+from specserve.core.sampling_params import SamplingParams
+
+# torch (core.sampling) is imported only where a row is encoded (the engine, which has it) or a
+# seeded row drafts: the ONNX drafters' Triton stubs then start without it (2.4 s each here).
 
 NAMES = ("row_seed", "row_temperature", "row_top_k", "row_top_p")   # schema.ROW_SAMPLING's, in order
 
 
 def encode(requests: list[DraftRequest]) -> dict[str, np.ndarray]:
     """The rows' sampling, [B] each."""
+    from specserve.core.sampling import seed_tensor
+
     coupled = [r.seed is not None for r in requests]
     return {"row_seed": seed_tensor([r.seed if c else 0 for r, c in zip(requests, coupled)]).numpy(),
             "row_temperature": np.array([r.params.temperature if c else 0.0 for r, c in zip(requests, coupled)],
@@ -36,3 +41,13 @@ def decode(row_seed: np.ndarray | None, row_temperature: np.ndarray | None, row_
     return [SamplingParams(temperature=float(row_temperature[b]), top_k=int(row_top_k[b]),
                            top_p=float(row_top_p[b]), seed=int(row_seed[b]) % 2 ** 64)
             if row_temperature[b] > 0 else None for b in range(rows)]
+
+
+def seeded_choice(logits: np.ndarray, params: SamplingParams, positions: list[int]) -> list[int]:
+    """logits [n, V] of a seeded row's drafter at sequence indices `positions` [n] → its n draft
+    tokens: the coupled choice argmax(log q~ + g(seed, position)) of core.sampling.seeded_tokens."""
+    import torch
+
+    from specserve.core.sampling import seeded_tokens
+
+    return seeded_tokens(torch.from_numpy(np.ascontiguousarray(logits)), params, positions)

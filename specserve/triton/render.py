@@ -254,7 +254,7 @@ def render_eagle_proposal(checkpoint: Path, drafter_dir: Path, repo: Path, *, ve
     drafter) is the same call with version + 1, then `specserve drafters load eagle_proposal`.
     `backend` (drafter_backends.py) applies to the stateless calibration head; eagle_backbone
     is always a Python model (it holds per-sequence state). The Python models run their ONNX
-    sessions on `device`, the engine's --device (onnx_runtime.execution_providers): a drafter
+    sessions on `device`, the engine's --device (onnx_session.execution_providers): a drafter
     beside a GPU target computes on that GPU; auto, the default, is the engine's own default."""
     from specserve.model.transformer import load_model
     from specserve.methods.eagle.drafter import load_eagle

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-CALIBRATION_POSITIONS = 8  # the position feature is j / CALIBRATION_POSITIONS
+from specserve.methods.eagle.draft_scalars import CALIBRATION_POSITIONS
 
 
 class CalibrationHead(nn.Module):

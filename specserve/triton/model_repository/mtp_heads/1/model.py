@@ -1,4 +1,4 @@
-"""mtp_heads: the MTP heads' ONNX graph under onnxruntime (specserve.methods.mtp.remote_drafters.
+"""mtp_heads: the MTP heads' ONNX graph under onnxruntime (specserve.methods.mtp.heads_onnx_runtime.
 HeadsOnnxRuntime): each row's f_t (its last new feature row) → the chain of each head's top-1
 token with its log-probability. Stateless. Its version folder holds mtp_heads.onnx."""
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specserve.methods.mtp.remote_drafters import HeadsOnnxRuntime
+from specserve.methods.mtp.heads_onnx_runtime import HeadsOnnxRuntime
 from specserve.triton import pb
 from specserve.serving import schema
 
