@@ -1,6 +1,6 @@
 """The MTP arbiter: merge several proposers' candidate drafts into one prefix tree of ≤ N nodes.
 
-Pure and deterministic (no torch): the fused `mtp` method (multi_draft.py) and the remote
+Pure and deterministic (no torch): the fused `mtp` method (proposer.py) and the remote
 `mtp_arbiter` Triton model run this same function.
 
 Scoring, per candidate c (a chain of tokens t_0..t_{k-1} from proposer P with the log-probs

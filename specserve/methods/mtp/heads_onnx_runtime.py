@@ -1,7 +1,8 @@
 """What the Triton model `mtp_heads` computes for the remote `mtp` (remote.py): per row the chain
 of each head's top-1 token with the log-probability the heads gave it, exactly as the fused
-proposers' Draft.probs are read by the arbiter (multi_draft.candidates_of: log of q(token), q
-clamped at 1e-30). Plain Python, so it is tested without a server; model.py only converts tensors.
+proposers' Draft.probs are read by the arbiter (proposer.candidates_of: log of q(token), q
+floored at draft_rows.MIN_PROB). Plain Python, so it is tested without a server; model.py only
+converts tensors.
 
 mtp_heads is stateless: the heads read only f_t, the target's final hidden state at the last
 committed position, which is the last of each row's new feature rows (the engine sends the
@@ -18,18 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from specserve.methods import row_sampling
+from specserve.methods.mtp.draft_rows import MIN_PROB, padded
 from specserve.methods.onnx_session import inference_session
-
-MIN_PROB = 1e-30   # as multi_draft.candidates_of
-
-
-def padded(rows: list[list], fill, dtype) -> np.ndarray:
-    """Ragged rows → [B, max len] of `dtype`, `fill` past each row's end."""
-    out = np.full((len(rows), max((len(r) for r in rows), default=0)), fill, dtype=dtype)
-    for b, r in enumerate(rows):
-        out[b, :len(r)] = r
-    return out
-
 
 class HeadsOnnxRuntime:
     """The MTP heads' ONNX graph → per row the chain of each head's top-1 token."""

@@ -31,6 +31,7 @@ from typing import Sequence
 import torch
 
 from specserve.methods.mtp.arbiter import ArbiterConfig, Candidate, arbitrate
+from specserve.methods.mtp.draft_rows import MIN_PROB
 from specserve.methods.mtp.options import PROPOSERS as PROPOSERS_OPTION, SUBPROPOSERS, TREE_BUDGET
 from specserve.core.proposer import Draft, DraftRequest, Proposer, ProposerDefaults, ProposerError, SequenceState, StepOutcome
 
@@ -70,7 +71,7 @@ def candidates_of(name: str, draft: Draft, prior: float) -> list[Candidate]:
     if draft.logprobs is not None:
         lps = [min(0.0, float(lp)) for lp in draft.logprobs]
     elif draft.probs is not None:
-        q = draft.probs[torch.arange(len(draft)), torch.tensor(draft.tokens)].float().clamp_min(1e-30)
+        q = draft.probs[torch.arange(len(draft)), torch.tensor(draft.tokens)].float().clamp_min(MIN_PROB)
         lps = q.log().tolist()
     else:
         lps = [prior] * len(draft)

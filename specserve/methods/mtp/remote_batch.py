@@ -12,6 +12,7 @@ import numpy as np
 
 from specserve.methods.calibration_cut import calibration_cut
 from specserve.methods.mtp.arbiter import ArbiterConfig, Candidate, arbitrate
+from specserve.methods.mtp.draft_rows import MIN_PROB
 from specserve.methods.mtp.options import SUBPROPOSERS
 from specserve.methods.ngram.lookup import MAX_N, MIN_N, NUM_DRAFT_TOKENS, lookup
 
@@ -47,7 +48,7 @@ def _eagle_candidate(tokens: np.ndarray, logprobs: np.ndarray | None, scalars: n
     if logprobs is not None:
         lps = [float(logprobs[j]) for j in range(len(kept))]
     else:
-        lps = [math.log(max(float(scalars[j, 0]), 1e-30)) if scalars is not None else ArbiterConfig().prior("eagle")
+        lps = [math.log(max(float(scalars[j, 0]), MIN_PROB)) if scalars is not None else ArbiterConfig().prior("eagle")
                for j in range(len(kept))]
     return Candidate("eagle", tuple(kept), tuple(lps))
 

@@ -1,11 +1,11 @@
 """What the Triton model `draft_drafter` computes: the draft model's chains for the remote `mtp`
 (remote.py), each with the log-probability its drafter gave every token, exactly as the fused
-proposers' Draft.probs are read by the arbiter (multi_draft.candidates_of: log of q(token), q
-clamped at 1e-30). Plain Python, so it is tested and timed without a server; the model.py file
-only converts tensors. The MTP heads' remote runtime is heads_onnx_runtime.py (torch-free).
+proposers' Draft.probs are read by the arbiter (proposer.candidates_of: log of q(token), q
+floored at draft_rows.MIN_PROB). Plain Python, so it is tested and timed without a server; the
+model.py file only converts tensors. The MTP heads' remote runtime is heads_onnx_runtime.py (torch-free).
 
 draft_drafter keeps the draft model's KV cache per sequence, keyed by the engine's sequence id,
-in the fused proposer's own code (draft_model.DraftModelProposer). Every call carries the row's
+in the fused proposer's own code (draft/proposer.py, DraftModelProposer). Every call carries the row's
 whole token list (context_tokens, which the ensemble already sends for n-gram lookup), and the
 proposer brings its cache up to it by keeping the longest prefix it still matches and feeding the
 rest. So a step it missed, a rejected draft, or a reload (empty cache) costs only a longer
@@ -26,7 +26,7 @@ import torch
 from specserve.core.proposer import DraftRequest
 from specserve.core.sampling_params import SamplingParams
 from specserve.methods import row_sampling
-from specserve.methods.mtp.heads_onnx_runtime import MIN_PROB, padded
+from specserve.methods.mtp.draft_rows import MIN_PROB, padded
 
 
 def load_remote_draft(folder: str | Path, checkpoint: str | Path, *, dtype: str = "auto",
