@@ -18,8 +18,9 @@ Rows (a row is one system at one temperature and concurrency):
                          Q4_1 target (--kept-q4, from `specserve import-gguf --keep-quantized`)
                          the *_head8 rows (--quantize-head int8) and *_pq (--attention per-query),
                          fp32_aten (--linear-kernel aten: fp32's dense linears on BLAS, not oneDNN),
-                         alternated with each other; the peers are not rerun there (set pass 2's
-                         rows beside pass 1's llama.cpp rows knowing that).
+                         alternated with each other and with llama.cpp again (the rows
+                         "llama_cpp (pass 2)", "llama_cpp_lookup (pass 2)"): × llama.cpp divides
+                         by the plain llama.cpp row of the same pass (transformers is not rerun).
     hf_generate, hf_prompt_lookup, hf_assisted
                          transformers generate on the same folder (fp32): plain, prompt lookup (set
                          like our ngram), assisted by --draft-model; c = 1 only (batch size 1)
@@ -30,7 +31,8 @@ Rows (a row is one system at one temperature and concurrency):
 Alternation: within a pass, at each (temperature, concurrency), the same prompts go to every
 system block by block, the systems' order rotated per block (specserve bench's runner.rotate), so
 drift of the machine spreads over all of them. "× none" divides by `none` of the same config, the
-same pass, temperature and concurrency (peers: fp32 `none`'s at c = 1).
+same pass, temperature and concurrency (pass 1's peers: fp32 `none`'s at c = 1); "× llama.cpp"
+divides by the plain llama.cpp row of the same pass, temperature and c = 1.
 
 Checks (a failure makes the exit status 1; the report is written first): every system saw the
 same prompt token count; every greedy specserve row's text equals `none`'s of its config at the
@@ -57,7 +59,7 @@ import sys
 import tempfile
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -126,6 +128,7 @@ class System:
     method: str                 # specserve method, or the peer's kind
     batches: bool               # False: c = 1 only
     run: BlockRunner
+    pass_no: int = 1            # the pass it runs in: ratios are taken within one pass
 
 
 def request(p: Prompt, max_tokens: int) -> WorkloadRequest:
@@ -227,6 +230,12 @@ def prompt_tokens(cells: dict[tuple[str, float, int], Cell], prompts: list[Promp
     return out
 
 
+def in_pass(peer: str, pass_no: int) -> str:
+    """A peer's row name in a pass: pass 2 reruns llama.cpp beside the quantized configurations,
+    so their ratio to it is measured side by side, as pass 1's is."""
+    return peer if pass_no == 1 else f"{peer} (pass {pass_no})"
+
+
 def rows(cells: dict[tuple[str, float, int], Cell], systems: dict[str, System], extra: dict[str, dict],
          bandwidth: Bandwidth) -> list[dict]:
     out = []
@@ -234,12 +243,17 @@ def rows(cells: dict[tuple[str, float, int], Cell], systems: dict[str, System], 
     for (name, temperature, c), cell in cells.items():
         s = systems[name]
         f = figs[(name, temperature, c)]
-        none_key = (f"{s.config} none", temperature, c) if s.config else ("fp32 none", temperature, 1)
+        # A peer rerun in pass 2 has no fp32 `none` beside it: no × none.
+        none_key = (f"{s.config} none", temperature, c) if s.config else \
+            ("fp32 none", temperature, 1) if s.pass_no == 1 else None
         none = cells.get(none_key)
         none_tps = figs[none_key]["tokens_per_s"] if none else None
+        llama_key = (in_pass("llama_cpp", s.pass_no), temperature, c)
+        llama_tps = figs[llama_key]["tokens_per_s"] if llama_key in figs else None
         row = {"system": name, "config": s.config, "method": s.method, "temperature": temperature,
                "concurrency": c, "status": "run", **f,
                "x_none": f["tokens_per_s"] / none_tps if f["tokens_per_s"] and none_tps else None,
+               "x_llama_cpp": f["tokens_per_s"] / llama_tps if f["tokens_per_s"] and llama_tps else None,
                **extra.get(name, {})}
         row["bandwidth_bound_fraction"] = (bound_fraction(f["tokens_per_s"], row.get("weight_bytes_per_step"), bandwidth)
                                            if c == 1 else None)
@@ -527,6 +541,10 @@ def _run(args, log) -> dict:
             if not best:
                 skipped[f"{name} best"] = "no speculative method ran on fp32"
         if second:
+            # llama.cpp again, alternated with pass 2's rows (it runs on its own, no server to start).
+            rerun = [replace(p, name=in_pass(p.name, 2), pass_no=2) for p in peer_systems if p.name.startswith("llama_cpp")]
+            extra.update({in_pass(p.name, 2): extra[p.name] for p in peer_systems if p.name.startswith("llama_cpp")})
+            second += rerun
             warm(second, prompts)
             cells.update(measure(second, prompts, args, 1, log))
             systems.update({s.name: s for s in second})

@@ -202,6 +202,29 @@ def test_best_method_is_the_fastest_fp32_method_at_c1_greedy(compare):
     assert compare.best_method(cells, systems) == "ngram"
 
 
+def test_ratios_to_llama_cpp_are_taken_within_a_pass(compare):
+    """Pass 2's rows divide by llama.cpp rerun beside them, never by pass 1's llama.cpp; the rerun
+    peer has no fp32 `none` in its pass, so no × none."""
+    from specserve.cli.bench.bandwidth import Bandwidth
+    from specserve.cli.bench.events import Window
+
+    def cell(tokens: int) -> "compare.Cell":
+        return compare.Cell([record(0, "a", tokens)], [Window("m", 0.0, 1.0)])
+
+    systems = {"fp32 none": compare.System("fp32 none", "fp32", "none", True, None),
+               "llama_cpp": compare.System("llama_cpp", None, "llama_cpp", False, None),
+               "int4_bf16 none": compare.System("int4_bf16 none", "int4_bf16", "none", True, None, pass_no=2),
+               "llama_cpp (pass 2)": compare.System("llama_cpp (pass 2)", None, "llama_cpp", False, None, pass_no=2)}
+    cells = {("fp32 none", 0.0, 1): cell(20), ("llama_cpp", 0.0, 1): cell(50),
+             ("int4_bf16 none", 0.0, 1): cell(30), ("llama_cpp (pass 2)", 0.0, 1): cell(40)}
+    got = {r["system"]: (r["x_none"], r["x_llama_cpp"])
+           for r in compare.rows(cells, systems, {}, Bandwidth(1e10, 1 << 20, 1, 1))}
+    assert got == {"fp32 none": (1.0, 0.4), "llama_cpp": (2.5, 1.0),
+                   "int4_bf16 none": (1.0, 0.75), "llama_cpp (pass 2)": (None, 1.0)}
+    assert compare.in_pass("llama_cpp_lookup", 2) == "llama_cpp_lookup (pass 2)"
+    assert compare.in_pass("llama_cpp", 1) == "llama_cpp"
+
+
 def test_each_configuration_serves_with_its_own_flags(compare):
     configs = {c.name: c for c in compare.CONFIGS}
     args = compare.parse(["--target", str(DEMO / "target"), "--concurrency", "1,16", "--group-size", "64"])
