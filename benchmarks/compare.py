@@ -542,8 +542,9 @@ def _run(args, log) -> dict:
                 skipped[f"{name} best"] = "no speculative method ran on fp32"
         if second:
             # llama.cpp again, alternated with pass 2's rows (it runs on its own, no server to start).
-            rerun = [replace(p, name=in_pass(p.name, 2), pass_no=2) for p in peer_systems if p.name.startswith("llama_cpp")]
-            extra.update({in_pass(p.name, 2): extra[p.name] for p in peer_systems if p.name.startswith("llama_cpp")})
+            llama = [p for p in peer_systems if p.name.startswith("llama_cpp")]
+            rerun = [replace(p, name=in_pass(p.name, 2), pass_no=2) for p in llama]
+            extra.update({in_pass(p.name, 2): extra[p.name] for p in llama})
             second += rerun
             warm(second, prompts)
             cells.update(measure(second, prompts, args, 1, log))

@@ -30,13 +30,14 @@ def markdown(report: dict) -> str:
         f"{bw['bytes_per_s'] / 1e9:.2f} GB/s (copy loop). Ran {report['wall_s'] / 60:.1f} min.", "",
         "× none: ÷ `none` of the same configuration, temperature and concurrency in the same pass (peers: fp32 "
         "`none` at c = 1; a peer rerun in pass 2 has none). × llama.cpp: ÷ the plain llama.cpp row of the same "
-        "pass and temperature, c = 1 (pass 2 reruns it beside the quantized configurations). % bound: tokens/s ÷ (bandwidth ÷ weight bytes per step), c = 1 only. "
+        "pass and temperature, c = 1 (pass 2 reruns it beside the quantized configurations). "
+        "% bound: tokens/s ÷ (bandwidth ÷ weight bytes per step), c = 1 only. "
         "text = none: greedy rows, share of prompts whose text equals `none`'s. drafted/step: draft tokens per "
         "decode step (in brackets: the share of steps that drafted at all; the adaptive policy drafts nothing "
         "where it expects no gain). draft / verify ms/step: the server's own split of a step's wall time "
         "(at c > 1 a batch step's, charged to each of its rows).", "",
-        "| system | T | c | tokens/s | × none | × llama.cpp | acc. len | drafted/step | draft / verify ms/step | TTFT p50 ms "
-        "| TPOT p50 / p99 ms | ITL std ms | draft MiB/seq | weights MiB/step | % bound | text = none |",
+        "| system | T | c | tokens/s | × none | × llama.cpp | acc. len | drafted/step | draft / verify ms/step "
+        "| TTFT p50 ms | TPOT p50 / p99 ms | ITL std ms | draft MiB/seq | weights MiB/step | % bound | text = none |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in sorted(report["rows"], key=lambda r: (r["temperature"], r["concurrency"], r["config"] is None,
@@ -45,7 +46,8 @@ def markdown(report: dict) -> str:
         same = r.get("text_equals_none")
         lines.append(
             f"| {r['system']} | {r['temperature']:g} | {r['concurrency']} | {_f(r['tokens_per_s'])} | "
-            f"{_f(r['x_none'], '.2f')} | {_f(r.get('x_llama_cpp'), '.2f')} | {_f(r['acceptance_length'], '.2f')} | {_drafted(r)} | "
+            f"{_f(r['x_none'], '.2f')} | {_f(r.get('x_llama_cpp'), '.2f')} | "
+            f"{_f(r['acceptance_length'], '.2f')} | {_drafted(r)} | "
             f"{_f(r.get('draft_ms_per_step'))} / {_f(r.get('verify_ms_per_step'))} | {_f(r['ttft_p50_ms'], '.0f')} | "
             f"{_f(r['tpot_p50_ms'])} / {_f(r['tpot_p99_ms'])} | {_f(r['itl_std_ms'])} | "
             f"{_mib(r.get('draft_memory_bytes'))} | {_mib(r.get('weight_bytes_per_step'))} | "
