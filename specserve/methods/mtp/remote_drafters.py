@@ -2,11 +2,12 @@
 (remote.py), each with the log-probability its drafter gave every token, exactly as the fused
 proposers' Draft.probs are read by the arbiter (proposer.candidates_of: log of q(token), q
 floored at draft_rows.MIN_PROB). Plain Python, so it is tested and timed without a server; the
-model.py file only converts tensors. The MTP heads' remote runtime is heads_onnx_runtime.py (torch-free).
+model.py file only converts tensors. The MTP heads' remote runtime is heads_onnx_runtime.py
+(torch-free).
 
 draft_drafter keeps the draft model's KV cache per sequence, keyed by the engine's sequence id,
-in the fused proposer's own code (draft/proposer.py, DraftModelProposer). Every call carries the row's
-whole token list (context_tokens, which the ensemble already sends for n-gram lookup), and the
+in the fused proposer's own code (draft/proposer.py, DraftModelProposer). Every call carries the
+row's whole token list (context_tokens, which the ensemble already sends for n-gram lookup), and the
 proposer brings its cache up to it by keeping the longest prefix it still matches and feeding the
 rest. So a step it missed, a rejected draft, or a reload (empty cache) costs only a longer
 catch-up, never a wrong draft, and it needs no `unknown` / re-prime round trip and no observe():
